@@ -1,0 +1,39 @@
+# fsdp.cpp — the two commands a newcomer runs are `make demo` and `make test`.
+# Each one installs what it needs (idempotent), builds, and runs.
+
+BUILD_DIR ?= build
+BUILD_TYPE ?= Release
+JOBS ?= $(shell nproc)
+CTEST_ARGS ?=
+DEMO_ARGS ?=
+
+.PHONY: all setup configure build test demo bench format clean
+
+all: build
+
+setup:
+	@bash scripts/setup.sh
+
+$(BUILD_DIR)/build.ninja:
+	cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE)
+
+configure: $(BUILD_DIR)/build.ninja
+
+build: setup configure
+	cmake --build $(BUILD_DIR) -j $(JOBS)
+
+test: build
+	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) $(CTEST_ARGS)
+
+demo: build
+	$(BUILD_DIR)/bin/fsdp-train --model transformer-small --strategy fsdp --devices 2 \
+	    --max-steps 60 --batch-size 8 --lr 3e-4 $(DEMO_ARGS)
+
+bench: build
+	$(BUILD_DIR)/bin/fsdp-bench comm --json
+
+format:
+	clang-format -i $$(git ls-files '*.h' '*.cpp')
+
+clean:
+	rm -rf $(BUILD_DIR)

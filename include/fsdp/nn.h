@@ -1,0 +1,71 @@
+// fsdp::nn::Module — a torch::nn::Module whose call operator runs hooks around forward.
+//
+// libtorch modules have no forward hooks, and FSDP needs a call site: pre-forward unshards a
+// unit, post-forward reshards it and arms the backward hooks. Modules that FSDP may wrap (the
+// demo models' layers, your own blocks) derive from fsdp::nn::Module and implement
+// `forward(const Inputs&)`; callers use `(*module)(x, mask)` or `module->call({x, mask})`.
+// Plain torch::nn modules can live inside such a module as usual.
+#pragma once
+
+#include <torch/nn/module.h>
+
+#include <functional>
+#include <string>
+#include <typeindex>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+namespace fsdp::nn {
+
+using Inputs = std::vector<at::Tensor>;
+
+class Module : public torch::nn::Module {
+ public:
+  using torch::nn::Module::Module;
+  ~Module() override = default;
+
+  // May replace inputs (e.g. cast them for mixed precision).
+  using PreForwardHook = std::function<void(Module&, Inputs& inputs)>;
+  // May replace the output.
+  using PostForwardHook = std::function<void(Module&, const Inputs& inputs, at::Tensor& output)>;
+  // Replaces the call of forward itself (activation checkpointing routes forward through a
+  // recomputing autograd function). At most one.
+  using ForwardWrapper = std::function<at::Tensor(Module&, const Inputs& inputs)>;
+
+  int add_pre_forward_hook(PreForwardHook hook);
+  int add_post_forward_hook(PostForwardHook hook);
+  void remove_hook(int handle);
+  void set_forward_wrapper(ForwardWrapper wrapper) { forward_wrapper_ = std::move(wrapper); }
+  bool has_forward_wrapper() const { return static_cast<bool>(forward_wrapper_); }
+
+  // Runs pre-forward hooks, forward (or the forward wrapper), post-forward hooks.
+  at::Tensor call(Inputs inputs);
+
+  template <typename... Ts>
+  at::Tensor operator()(Ts&&... args) {
+    return call(Inputs{at::Tensor(std::forward<Ts>(args))...});
+  }
+
+  // Unhooked forward. Undefined tensors stand for "no argument" (e.g. no mask).
+  virtual at::Tensor forward(const Inputs& inputs) = 0;
+
+ private:
+  std::vector<std::pair<int, PreForwardHook>> pre_hooks_;
+  std::vector<std::pair<int, PostForwardHook>> post_hooks_;
+  ForwardWrapper forward_wrapper_;
+  int next_handle_ = 0;
+};
+
+// A set of module types, for wrap and activation-checkpointing policies:
+//   fsdp::nn::ModuleTypes types = fsdp::nn::module_types<EncoderLayer, DecoderLayer>();
+using ModuleTypes = std::unordered_set<std::type_index>;
+template <typename... Ts>
+ModuleTypes module_types() {
+  return ModuleTypes{std::type_index(typeid(Ts))...};
+}
+inline bool is_instance_of(const torch::nn::Module& m, const ModuleTypes& types) {
+  return types.count(std::type_index(typeid(m))) > 0;
+}
+
+}  // namespace fsdp::nn

@@ -1,0 +1,44 @@
+// Test helpers: multi-rank tests as real processes on loopback.
+//
+//   TEST(Collectives, AllGather) {
+//     fsdp::testing::run_ranks(3, "gloo", [](fsdp::ProcessGroup& pg) { ... EXPECT_...; });
+//   }
+//
+// run_ranks re-executes this test binary once per extra rank with --gtest_filter set to the
+// current test (for "mpi", all ranks run under `mpirun`). Every rank runs `body` with the world
+// group; a rank with a failed expectation or an exception exits non-zero and the test fails
+// in the parent, naming the rank.
+#pragma once
+
+#include "fsdp/comm.h"
+
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace fsdp::testing {
+
+void run_ranks(int world_size, const std::string& backend,
+               const std::function<void(ProcessGroup& world)>& body);
+
+// True in the re-executed child ranks (and in every rank under mpirun).
+bool in_child_rank();
+
+struct ProcResult {
+  int exit_code = -1;  // 128+signal when killed by a signal
+  std::string out;
+  std::string err;
+  double seconds = 0;
+};
+// Runs a program to completion (kills it after timeout_s), capturing stdout/stderr.
+ProcResult run_process(const std::vector<std::string>& argv,
+                       const std::map<std::string, std::string>& env = {},
+                       double timeout_s = 300);
+
+// Path of a program built under build/bin (e.g. "fsdp-train").
+std::string bin_path(const std::string& program);
+// ../shared/data/wikitext-2 relative to the source tree, or "" when absent.
+std::string wikitext2_dir();
+
+}  // namespace fsdp::testing
