@@ -53,6 +53,9 @@ class Strategy {
   virtual void pre_forward(LightningModule& module, bool sync) {}
   virtual void backward(const at::Tensor& loss) { loss.backward(); }
   virtual void post_backward(LightningModule& module, bool sync) {}
+  // Validation/test/predict steps run under torch::NoGradGuard between pre_forward(module,
+  // false) and post_eval_step(module) (FSDP reshards there).
+  virtual void post_eval_step(LightningModule& module) {}
 
   // Clips gradients so that their global L2 norm over every rank's shard is at most max_norm;
   // returns the norm before clipping.
