@@ -1,0 +1,448 @@
+#include "ddp/reducer.h"
+
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <algorithm>
+#include <sstream>
+
+namespace fsdp::detail {
+
+// Note [DDP bucket launch order]
+// Every rank must issue the same collectives in the same order, but autograd may finish the
+// buckets in a different order on different ranks (or in a different order than they were
+// built). So bucket k is launched only after buckets 0..k-1: a bucket that is full early is
+// *held* until its predecessors launch (counted in last_held_buckets()). Buckets are built in
+// reverse registration order because autograd produces gradients roughly in reverse order of
+// use, and modules are usually registered in order of use; static_graph replaces the guess by
+// the observed order (Note [DDP static graph]).
+
+// Note [DDP static graph]
+// static_graph=true promises that every iteration uses the same parameters in the same order.
+// Iteration 1 runs like find_unused_parameters=true (unused parameters allowed, one extra small
+// all-reduce of the "used" mask) and records (a) the order in which gradients became ready and
+// (b) which parameters got none. After iteration 1:
+//   - buckets are rebuilt in rank 0's observed ready order (broadcast, so the layout is the same
+//     on every rank): each bucket fills with consecutive gradients and none is held back by a
+//     late parameter, so launches start as early as backward allows;
+//   - the unused parameters are known: they are marked ready (zero slot) when a synchronized
+//     micro-batch starts, so their buckets need not wait for the end of backward, and no "used"
+//     mask is all-reduced any more (find_unused_parameters=true pays that every step);
+//   - deviations are errors that say so: a parameter that got a gradient in iteration 1 and none
+//     now, or the reverse.
+
+// Note [DDP unused parameters]
+// Without find_unused_parameters, a trainable parameter that got no gradient in a synchronized
+// backward would leave its bucket incomplete forever; the end-of-backward check turns that
+// into an error naming the parameter(s). With it, the end of backward zero-fills the missing
+// slots (or keeps the gradient accumulated during no_sync micro-batches), launches the
+// remaining buckets in order and then all-reduces a per-parameter "used" mask (after the
+// buckets, so that every rank issues the same collectives in the same order). Parameters used
+// on no rank keep their .grad untouched, as in PyTorch, so optimizers skip them like in a
+// single process.
+
+class Reducer::Hook : public torch::autograd::FunctionPostHook {
+ public:
+  Hook(Reducer* reducer, int index) : reducer_(reducer), index_(index) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& /*inputs*/)
+      override {
+    reducer_->on_grad_ready(index_);
+    return outputs;
+  }
+
+ private:
+  Reducer* reducer_;
+  int index_;
+};
+
+Reducer::Reducer(ProcessGroupPtr group, std::vector<NamedTensor> params,
+                 const DDPOptions& options)
+    : group_(std::move(group)), options_(options) {
+  TORCH_INTERNAL_ASSERT(group_, "Reducer needs a process group");
+  TORCH_CHECK(options_.bucket_cap_mb > 0, "[ddp] bucket_cap_mb must be > 0, got ",
+              options_.bucket_cap_mb);
+  params_.reserve(params.size());
+  for (auto& np : params) {
+    TORCH_INTERNAL_ASSERT(np.tensor.requires_grad(), "parameter ", np.name,
+                          " does not require grad");
+    TORCH_CHECK(np.tensor.is_leaf(), "[ddp] parameter '", np.name,
+                "' is not a leaf tensor; DDP hooks the AccumulateGrad node of leaf parameters");
+    Param p;
+    p.name = std::move(np.name);
+    p.tensor = np.tensor;
+    params_.push_back(std::move(p));
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Param& p = params_[i];
+    p.grad_acc = torch::autograd::impl::grad_accumulator(p.tensor);
+    TORCH_INTERNAL_ASSERT(p.grad_acc, "no grad accumulator for ", p.name);
+    p.hook_key = p.grad_acc->add_post_hook(std::make_unique<Hook>(this, static_cast<int>(i)));
+  }
+  std::vector<int> order(params_.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int>(order.size() - 1 - i);
+  build_buckets(order);
+  used_local_ = at::zeros({static_cast<int64_t>(params_.size())}, at::kFloat);
+  static_unused_.assign(params_.size(), false);
+  static_global_used_.assign(params_.size(), true);
+  if (options_.gradient_as_bucket_view) point_grads_at_buckets();
+}
+
+Reducer::~Reducer() {
+  wait_launched();
+  for (auto& p : params_) {
+    if (p.grad_acc) p.grad_acc->del_post_hook(p.hook_key);
+  }
+}
+
+void Reducer::build_buckets(const std::vector<int>& order) {
+  TORCH_INTERNAL_ASSERT(order.size() == params_.size());
+  const double cap_bytes = options_.bucket_cap_mb * 1024.0 * 1024.0;
+  buckets_.clear();
+  std::vector<int> open;  // one open bucket per (dtype, device)
+  for (int idx : order) {
+    Param& p = params_[idx];
+    const at::ScalarType dtype = p.tensor.scalar_type();
+    const at::Device device = p.tensor.device();
+    int b = -1;
+    for (int o : open) {
+      const Param& first = params_[buckets_[o].params.front()];
+      if (buckets_[o].dtype == dtype && first.tensor.device() == device) b = o;
+    }
+    if (b < 0) {
+      buckets_.emplace_back();
+      buckets_.back().dtype = dtype;
+      b = static_cast<int>(buckets_.size()) - 1;
+      open.push_back(b);
+    }
+    Bucket& bucket = buckets_[b];
+    p.bucket = b;
+    p.offset = bucket.numel;
+    bucket.numel += p.tensor.numel();
+    bucket.params.push_back(idx);
+    if (static_cast<double>(bucket.numel) * p.tensor.element_size() >= cap_bytes) {
+      open.erase(std::find(open.begin(), open.end(), b));
+    }
+  }
+  for (auto& bucket : buckets_) {
+    const Param& first = params_[bucket.params.front()];
+    bucket.buffer = at::zeros({bucket.numel}, first.tensor.options().dtype(bucket.dtype));
+  }
+  next_to_launch_ = 0;
+}
+
+at::Tensor Reducer::bucket_view(const Param& p) const {
+  // Below the autograd/view-tracking layer: the slot is a plain alias of the buffer, not an
+  // autograd view, so optimizers may detach_()/zero_() it as a gradient.
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return buckets_[p.bucket].buffer.narrow(0, p.offset, p.tensor.numel()).view(p.tensor.sizes());
+}
+
+void Reducer::point_grads_at_buckets() {
+  for (auto& p : params_) {
+    at::Tensor slot = bucket_view(p);
+    const at::Tensor& g = p.tensor.grad();
+    if (g.defined() && g.data_ptr() != slot.data_ptr()) slot.copy_(g);
+    p.tensor.mutable_grad() = slot;
+  }
+}
+
+void Reducer::arm(bool sync) {
+  if (!sync) {
+    state_ = ReducerState::kNoSync;
+    return;
+  }
+  state_ = ReducerState::kSync;
+  for (auto& b : buckets_) {
+    b.pending = static_cast<int>(b.params.size());
+    b.launched = false;
+    b.work.reset();
+  }
+  for (auto& p : params_) p.ready = false;
+  next_to_launch_ = 0;
+  launch_order_.clear();
+  held_buckets_ = 0;
+  ready_order_.clear();
+  callback_queued_ = false;
+  used_work_.reset();
+  if (static_recorded_) {
+    // See Note [DDP static graph]: known-unused parameters are ready from the start.
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (static_unused_[i]) mark_ready(static_cast<int>(i));
+    }
+  }
+}
+
+void Reducer::prepare_forward(bool sync) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(state_ != ReducerState::kReducing,
+              "[ddp] pre_forward called while the previous synchronized backward is still "
+              "reducing; call post_backward (finish_backward) after every backward");
+  arm(sync);
+}
+
+void Reducer::on_grad_ready(int index) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (state_ == ReducerState::kIdle) arm(true);  // backward without pre_forward: synchronize
+  Param& p = params_[index];
+  if (state_ == ReducerState::kNoSync) {
+    p.used = true;
+    return;
+  }
+  TORCH_CHECK(state_ == ReducerState::kSync, "[ddp] parameter '", p.name,
+              "' received a gradient after backward had finished; call post_backward before "
+              "the next backward (one backward per pre_forward)");
+  if (static_recorded_ && static_unused_[index]) {
+    TORCH_CHECK(false, "[ddp] static_graph=true but parameter '", p.name,
+                "' received a gradient in synchronized backward ", num_synced_backwards_ + 1,
+                " although it received none in the first one: the graph is not static. Set "
+                "static_graph=false (and find_unused_parameters=true if some parameters are "
+                "unused in some iterations)");
+  }
+  TORCH_CHECK(!p.ready, "[ddp] parameter '", p.name,
+              "' received two gradients in one synchronized backward; call pre_forward before "
+              "each forward and post_backward after each backward");
+  p.used = true;
+  if (!callback_queued_) {
+    callback_queued_ = true;
+    torch::autograd::Engine::get_default_engine().queue_callback([this] {
+      std::lock_guard<std::mutex> lock(mutex_);
+      finalize_backward();
+    });
+  }
+  if (options_.static_graph && !static_recorded_) ready_order_.push_back(index);
+  mark_ready(index);
+  launch_ready_buckets();
+}
+
+void Reducer::mark_ready(int index) {
+  Param& p = params_[index];
+  TORCH_INTERNAL_ASSERT(!p.ready);
+  p.ready = true;
+  Bucket& b = buckets_[p.bucket];
+  TORCH_INTERNAL_ASSERT(b.pending > 0 && !b.launched);
+  if (--b.pending == 0 && p.bucket != next_to_launch_) ++held_buckets_;
+}
+
+void Reducer::launch_ready_buckets() {
+  const int n = static_cast<int>(buckets_.size());
+  while (next_to_launch_ < n && buckets_[next_to_launch_].pending == 0) launch(next_to_launch_++);
+}
+
+void Reducer::launch(int index) {
+  Bucket& b = buckets_[index];
+  TORCH_INTERNAL_ASSERT(!b.launched && b.pending == 0);
+  // Copy-in (or, with gradient_as_bucket_view, make sure .grad still is the slot: an optimizer
+  // that sets gradients to none/new tensors breaks the aliasing, which is repaired here).
+  for (int idx : b.params) {
+    Param& p = params_[idx];
+    at::Tensor slot = bucket_view(p);
+    const at::Tensor& g = p.tensor.grad();
+    const bool has = p.used && g.defined();
+    if (!has) {
+      slot.zero_();
+    } else if (!options_.gradient_as_bucket_view) {
+      slot.copy_(g);
+    } else if (g.data_ptr() != slot.data_ptr()) {
+      slot.copy_(g);
+      p.tensor.mutable_grad() = slot;
+    }
+  }
+  b.work = group_->all_reduce_async(b.buffer, ReduceOp::kAvg);
+  b.launched = true;
+  launch_order_.push_back(index);
+}
+
+void Reducer::finalize_backward() {
+  if (state_ != ReducerState::kSync) return;  // idempotent: callback and finish_backward
+  std::vector<int> missing;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!params_[i].ready) missing.push_back(static_cast<int>(i));
+  }
+  const bool first_static = options_.static_graph && !static_recorded_;
+  const bool allow_unused = options_.find_unused_parameters || first_static;
+  if (!missing.empty() && !allow_unused) {
+    // Leave the group consistent: buckets already launched complete on every rank that has
+    // the same unused parameters.
+    wait_launched();
+    state_ = ReducerState::kIdle;
+    for (auto& p : params_) p.used = false;
+    std::ostringstream names;
+    for (size_t k = 0; k < missing.size() && k < 8; ++k) {
+      names << (k ? ", " : "") << "'" << params_[missing[k]].name << "'";
+    }
+    if (missing.size() > 8) names << " and " << missing.size() - 8 << " more";
+    if (static_recorded_) {
+      TORCH_CHECK(false, "[ddp] rank ", group_->rank(), ": static_graph=true but parameter(s) ",
+                  names.str(), " received no gradient in synchronized backward ",
+                  num_synced_backwards_ + 1,
+                  " although they received one in the first: the graph is not static. Set "
+                  "static_graph=false and find_unused_parameters=true");
+    }
+    TORCH_CHECK(false, "[ddp] rank ", group_->rank(), ": ", missing.size(),
+                " trainable parameter(s) received no gradient in this backward: ", names.str(),
+                ". DDP waits for every parameter's gradient before it can all-reduce its bucket. "
+                "---> HINT: if these parameters are unused on purpose, pass "
+                "find_unused_parameters=true (DDPOptions / --find-unused-parameters), or set "
+                "requires_grad=false on them; otherwise check that forward uses them and that "
+                "the loss depends on its output");
+  }
+  for (int i : missing) mark_ready(i);
+  launch_ready_buckets();
+  TORCH_INTERNAL_ASSERT(next_to_launch_ == static_cast<int>(buckets_.size()));
+  if (options_.find_unused_parameters || first_static) {
+    // See Note [DDP unused parameters]: after every bucket, on every rank.
+    auto used = used_local_.accessor<float, 1>();
+    for (size_t i = 0; i < params_.size(); ++i) used[i] = params_[i].used ? 1.f : 0.f;
+    used_work_ = group_->all_reduce_async(used_local_, ReduceOp::kSum);
+  }
+  state_ = ReducerState::kReducing;
+}
+
+void Reducer::wait_launched() noexcept {
+  for (auto& b : buckets_) {
+    if (!b.work) continue;
+    try {
+      b.work->wait();
+    } catch (...) {
+    }
+    b.work.reset();
+  }
+  if (used_work_) {
+    try {
+      used_work_->wait();
+    } catch (...) {
+    }
+    used_work_.reset();
+  }
+}
+
+void Reducer::finish_backward(bool sync) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!sync) {
+    TORCH_CHECK(state_ != ReducerState::kReducing && state_ != ReducerState::kSync,
+                "[ddp] post_backward(sync=false) after a synchronized forward; pass the same "
+                "sync flag to pre_forward and post_backward");
+    return;
+  }
+  TORCH_CHECK(state_ != ReducerState::kNoSync,
+              "[ddp] post_backward(sync=true) after pre_forward(sync=false); pass the same sync "
+              "flag to pre_forward and post_backward");
+  if (state_ == ReducerState::kIdle) arm(true);  // no hook fired and no pre_forward
+  finalize_backward();  // no-op when the engine callback already ran
+  TORCH_INTERNAL_ASSERT(state_ == ReducerState::kReducing);
+
+  for (size_t k = 0; k < buckets_.size(); ++k) {
+    Bucket& b = buckets_[k];
+    TORCH_INTERNAL_ASSERT(b.launched && b.work);
+    try {
+      b.work->wait();
+    } catch (const std::exception& e) {
+      state_ = ReducerState::kIdle;
+      wait_launched();
+      TORCH_CHECK(false, "[ddp] rank ", group_->rank(), ": all-reduce of gradient bucket ", k,
+                  " (", b.numel, " elements) failed: ", e.what());
+    }
+    b.work.reset();
+  }
+  const bool have_mask = static_cast<bool>(used_work_);
+  if (have_mask) {
+    used_work_->wait();
+    used_work_.reset();
+  }
+  auto used = used_local_.accessor<float, 1>();
+  // Copy-out into .grad (nothing to copy with gradient_as_bucket_view).
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Param& p = params_[i];
+    bool globally_used = true;
+    if (have_mask) globally_used = used[i] > 0.f;
+    else if (static_recorded_) globally_used = static_global_used_[i];
+    if (!globally_used) continue;  // Note [DDP unused parameters]: leave .grad untouched
+    at::Tensor slot = bucket_view(p);
+    at::Tensor& g = p.tensor.mutable_grad();
+    if (options_.gradient_as_bucket_view) {
+      if (!g.defined() || g.data_ptr() != slot.data_ptr()) g = slot;
+    } else if (g.defined()) {
+      g.copy_(slot);
+    } else {
+      g = slot.clone();
+    }
+  }
+  last_launch_order_ = launch_order_;
+  last_held_buckets_ = held_buckets_;
+  ++num_synced_backwards_;
+  state_ = ReducerState::kIdle;
+  if (options_.static_graph && !static_recorded_) record_static_graph(have_mask);
+  for (auto& p : params_) p.used = false;
+}
+
+void Reducer::record_static_graph(bool have_mask) {
+  // See Note [DDP static graph].
+  static_recorded_ = true;
+  const int64_t n = static_cast<int64_t>(params_.size());
+  std::vector<bool> seen(params_.size(), false);
+  for (int i : ready_order_) seen[i] = true;
+  auto used = used_local_.accessor<float, 1>();
+  for (int64_t i = 0; i < n; ++i) {
+    static_unused_[i] = !seen[i];
+    static_global_used_[i] = have_mask ? used[i] > 0.f : true;
+  }
+  // Rank 0's order, so the bucket layout is identical everywhere.
+  at::Tensor order = at::empty({n}, at::kLong);
+  auto acc = order.accessor<int64_t, 1>();
+  int64_t k = 0;
+  for (int i : ready_order_) acc[k++] = i;
+  for (int64_t i = n - 1; i >= 0; --i) {
+    if (!seen[i]) acc[k++] = i;
+  }
+  TORCH_INTERNAL_ASSERT(k == n);
+  group_->broadcast(order, 0);
+  std::vector<int> new_order(n);
+  for (int64_t i = 0; i < n; ++i) {
+    new_order[i] = static_cast<int>(acc[i]);
+    TORCH_CHECK(new_order[i] >= 0 && new_order[i] < n,
+                "[ddp] static_graph: rank 0 sent a bucket order for a different model");
+  }
+  // Keep the current gradients across the rebuild (the optimizer has not consumed them yet).
+  std::vector<at::Tensor> grads(params_.size());
+  if (options_.gradient_as_bucket_view) {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const at::Tensor& g = params_[i].tensor.grad();
+      if (g.defined()) grads[i] = g.clone();
+    }
+  }
+  build_buckets(new_order);
+  if (options_.gradient_as_bucket_view) {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      at::Tensor slot = bucket_view(params_[i]);
+      if (grads[i].defined()) slot.copy_(grads[i]);
+      params_[i].tensor.mutable_grad() = slot;
+    }
+  }
+}
+
+void Reducer::zero_grad() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto& b : buckets_) b.buffer.zero_();
+  for (auto& p : params_) {
+    at::Tensor& g = p.tensor.mutable_grad();
+    if (!g.defined()) continue;
+    if (options_.gradient_as_bucket_view && g.data_ptr() == bucket_view(p).data_ptr()) continue;
+    g.zero_();
+  }
+}
+
+std::vector<DDPStrategy::BucketInfo> Reducer::bucket_infos() const {
+  std::vector<DDPStrategy::BucketInfo> out;
+  for (const auto& b : buckets_) {
+    DDPStrategy::BucketInfo info;
+    info.numel = b.numel;
+    info.dtype = b.dtype;
+    for (int idx : b.params) info.names.push_back(params_[idx].name);
+    out.push_back(std::move(info));
+  }
+  return out;
+}
+
+}  // namespace fsdp::detail

@@ -1,0 +1,122 @@
+// detail::Reducer — DDP's gradient buckets and the autograd hooks that launch their all-reduce.
+// Used by DDPStrategy (src/ddp/ddp_strategy.cpp); not a public header.
+#pragma once
+
+#include "fsdp/comm.h"
+#include "fsdp/ddp.h"
+
+#include <torch/csrc/autograd/function.h>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace fsdp::detail {
+
+// Note [DDP reducer states]
+// One state per rank; which tensors hold gradient memory in each:
+//   kIdle      between steps. .grad holds the (averaged) gradients of the last step, or
+//              nothing; bucket buffers hold stale data (with gradient_as_bucket_view they ARE
+//              the gradients).
+//   kNoSync    a non-boundary micro-batch (no_sync): hooks only record which parameters were
+//              used; gradients accumulate in .grad, nothing is communicated.
+//   kSync      a boundary micro-batch: each hook counts its bucket down; a full bucket is copied
+//              into its flat buffer and, in bucket order, its all-reduce is launched.
+//   kReducing  backward is over and every bucket is launched; finish_backward waits for them
+//              and copies the averages back into .grad.
+enum class ReducerState { kIdle, kNoSync, kSync, kReducing };
+
+struct NamedTensor {
+  std::string name;
+  at::Tensor tensor;
+};
+
+class Reducer {
+ public:
+  // params: trainable parameters with their FQNs, in registration order (deduplicated).
+  Reducer(ProcessGroupPtr group, std::vector<NamedTensor> params, const DDPOptions& options);
+  ~Reducer();
+  Reducer(const Reducer&) = delete;
+  Reducer& operator=(const Reducer&) = delete;
+
+  // Called before each forward. sync=false: no_sync micro-batch.
+  void prepare_forward(bool sync);
+  // Called after loss.backward(). On a synchronized micro-batch: waits for every bucket and
+  // leaves the averaged gradients in .grad.
+  void finish_backward(bool sync);
+  // Zeroes gradients in place (the bucket buffers when gradients are bucket views).
+  void zero_grad();
+
+  std::vector<DDPStrategy::BucketInfo> bucket_infos() const;
+  std::vector<int> last_launch_order() const { return last_launch_order_; }
+  int64_t num_synced_backwards() const { return num_synced_backwards_; }
+  // Buckets that were full before an earlier bucket in the last synchronized backward (they had
+  // to wait for it; see Note [DDP bucket launch order]).
+  int64_t last_held_buckets() const { return last_held_buckets_; }
+
+ private:
+  struct Param {
+    std::string name;
+    at::Tensor tensor;                                   // the parameter itself
+    std::shared_ptr<torch::autograd::Node> grad_acc;     // kept alive: it carries our hook
+    uintptr_t hook_key = 0;
+    int bucket = -1;
+    int64_t offset = 0;  // element offset in its bucket's buffer
+    bool ready = false;  // got its gradient in this synchronized backward
+    bool used = false;   // got a gradient since the last synchronized backward (incl. no_sync)
+  };
+  struct Bucket {
+    std::vector<int> params;  // indices into params_, in buffer order
+    at::ScalarType dtype = at::kFloat;
+    int64_t numel = 0;
+    at::Tensor buffer;        // (numel) flat; what the all-reduce reads and writes
+    int pending = 0;          // parameters of this bucket still without a gradient
+    bool launched = false;
+    WorkPtr work;
+  };
+  class Hook;
+
+  void build_buckets(const std::vector<int>& order);
+  void point_grads_at_buckets();  // gradient_as_bucket_view: .grad := view into the buffer
+  at::Tensor bucket_view(const Param& p) const;  // (param shape) view of its slot
+  void arm(bool sync);
+  void on_grad_ready(int index);  // from the AccumulateGrad post-hook
+  void mark_ready(int index);
+  void launch_ready_buckets();
+  void launch(int bucket);
+  void finalize_backward();  // end of backward (engine callback or finish_backward)
+  void wait_launched() noexcept;
+  void record_static_graph(bool have_mask);  // after the first synchronized backward
+
+  // Public entry points (and the engine callback) lock; private helpers expect it held. On CPU
+  // hooks run on the thread that runs backward; with several devices autograd runs one thread
+  // per device, and their hooks would race on the bucket counters without it.
+  std::mutex mutex_;
+  ProcessGroupPtr group_;
+  DDPOptions options_;
+  std::vector<Param> params_;
+  std::vector<Bucket> buckets_;
+  ReducerState state_ = ReducerState::kIdle;
+  int next_to_launch_ = 0;
+  bool callback_queued_ = false;
+
+  // find_unused_parameters / static_graph: 1 per parameter used on any rank (all-reduced).
+  at::Tensor used_local_;   // (num params) float
+  WorkPtr used_work_;
+
+  // static_graph: see Note [DDP static graph].
+  std::vector<int> ready_order_;         // parameter indices as their gradients arrived
+  std::vector<bool> static_unused_;      // parameters without gradient in iteration 1 (locally)
+  std::vector<bool> static_global_used_; // parameters with a gradient on some rank in iteration 1
+  bool static_recorded_ = false;
+
+  std::vector<int> launch_order_;
+  std::vector<int> last_launch_order_;
+  int64_t held_buckets_ = 0;
+  int64_t last_held_buckets_ = 0;
+  int64_t num_synced_backwards_ = 0;
+};
+
+}  // namespace fsdp::detail
