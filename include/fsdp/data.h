@@ -131,6 +131,9 @@ class DistributedSampler {
   int64_t dataset_size() const { return dataset_size_; }
   int64_t world() const { return world_; }
   int64_t rank() const { return rank_; }
+  bool shuffle() const { return shuffle_; }
+  uint64_t seed() const { return seed_; }
+  bool drop_last() const { return drop_last_; }
 
   // This rank's dataset indices for the current epoch, in order.
   std::vector<int64_t> indices() const;
@@ -157,6 +160,7 @@ class DataLoader {
 
   int64_t num_batches() const;
   int64_t batch_size() const { return batch_size_; }
+  bool drop_last() const { return drop_last_; }
   // Reshuffles: the next iteration (and batch(i)) uses the order of `epoch`.
   void set_epoch(int64_t epoch);
   // The i-th batch of the current epoch, 0 <= i < num_batches().

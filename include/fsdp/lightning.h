@@ -20,6 +20,8 @@
 // (FSDP swaps in the sharded parameters before configure_optimizers, as Lightning does).
 #pragma once
 
+#include "fsdp/data.h"
+
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
@@ -36,11 +38,8 @@ namespace fsdp {
 
 class Trainer;
 
-// One collated batch: input and target token ids, (B, T) int64 each.
-struct Batch {
-  at::Tensor input;
-  at::Tensor target;
-};
+// fsdp::Batch (one collated batch: input and target token ids, (B, T) int64 each) is defined
+// in fsdp/data.h.
 
 struct LogOptions {
   bool prog_bar = false;
