@@ -1,0 +1,176 @@
+// FSDPStrategy: fully sharded data parallel (per-parameter sharding, FSDP2 style).
+//
+//   auto fsdp = std::make_shared<fsdp::FSDPStrategy>(fsdp::FSDPOptions{
+//       .sharding_strategy = fsdp::ShardingStrategy::kFullShard,
+//       .auto_wrap_policy = fsdp::AutoWrapPolicy::types(fsdp::demos::layer_types("transformer-small")),
+//   });
+//   fsdp::Trainer trainer({.devices = 2, .strategy = fsdp});
+//
+// Every parameter is split on dim 0 into `shard world` equal chunks (the last ones padded with
+// zero rows). module.parameters() returns the sharded parameters after setup_module, so
+// configure_optimizers builds an optimizer over this rank's shards only (Lightning semantics);
+// the layers keep computing with their full-size parameters, which hold memory only while
+// their unit is unsharded. See Note [Sharded and unsharded parameters] in src/shard/fsdp_param.h.
+//
+// Units: every module the wrap policy (or fsdp::wrap inside configure_model) selects becomes a
+// unit whose parameters are all-gathered together before its forward and backward, and whose
+// gradients are reduce-scattered together after its backward. Parameters in no unit form the
+// root unit, unsharded from pre_forward until the end of backward.
+#pragma once
+
+#include "fsdp/nn.h"
+#include "fsdp/strategy.h"
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace fsdp {
+
+// What is sharded, and when parameters are resharded (DESIGN.md §3):
+//   kFullShard        params, grads, optimizer state sharded over the world; reshard after forward
+//   kShardGradOp      as kFullShard, but parameters stay unsharded from forward until after backward
+//   kNoShard          replicate everything (like DDP): gradients are all-reduced (average)
+//   kHybridShard      kFullShard inside a shard group (one node by default), replicated across
+//   kHybridShardZero2 kShardGradOp inside the shard group, replicated across
+enum class ShardingStrategy { kFullShard, kShardGradOp, kNoShard, kHybridShard, kHybridShardZero2 };
+
+// "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2" (also
+// lower-case). An unknown name is an error listing the valid ones.
+ShardingStrategy parse_sharding_strategy(const std::string& name);
+const char* to_string(ShardingStrategy strategy);
+std::vector<std::string> sharding_strategy_names();
+
+// When the next unit's all-gather is issued during backward:
+//   kPre   in the pre-backward hook of the current unit (most overlap, one more unit of memory)
+//   kPost  after the current unit's reduce-scatter is issued
+//   kNone  no prefetch: every unit all-gathers when its backward starts
+enum class BackwardPrefetch { kPre, kPost, kNone };
+BackwardPrefetch parse_backward_prefetch(const std::string& name);  // "pre" | "post" | "none"
+const char* to_string(BackwardPrefetch prefetch);
+
+// Which modules become units. Only fsdp::nn::Module instances can be units (they have the call
+// hooks); the root module never is (its leftover parameters form the root unit).
+struct AutoWrapPolicy {
+  enum class Kind { kNone, kTypes, kSize, kPredicate };
+  Kind kind = Kind::kNone;
+  fsdp::nn::ModuleTypes types;   // kTypes: wrap every module of these types
+  int64_t min_num_params = 0;    // kSize: wrap a module once its not-yet-wrapped subtree has
+                                 // at least this many parameter elements (children first)
+  // kPredicate: called children first with the module and the number of parameter elements in
+  // its subtree that no descendant unit has taken; true makes it a unit.
+  std::function<bool(const torch::nn::Module&, int64_t nparams)> predicate;
+
+  static AutoWrapPolicy none() { return {}; }
+  static AutoWrapPolicy of_types(fsdp::nn::ModuleTypes types);
+  static AutoWrapPolicy size_based(int64_t min_num_params);
+  static AutoWrapPolicy of_predicate(
+      std::function<bool(const torch::nn::Module&, int64_t nparams)> predicate);
+};
+
+struct FSDPOptions {
+  ShardingStrategy sharding_strategy = ShardingStrategy::kFullShard;
+  AutoWrapPolicy auto_wrap_policy;  // default: no units besides the root
+  // Caps the units holding unsharded parameters at two (the running one and one prefetched):
+  // a prefetch that would exceed it is skipped and happens on demand instead.
+  bool limit_all_gathers = false;
+  // Issue the next unit's all-gather (forward order recorded in the first step) in the current
+  // unit's pre-forward, so it overlaps the current unit's compute.
+  bool forward_prefetch = false;
+  BackwardPrefetch backward_prefetch = BackwardPrefetch::kPre;
+  // Broadcast rank 0's parameters and buffers over the world before sharding (ranks that built
+  // their models from different seeds then agree).
+  bool sync_module_states = false;
+  // Ranks per shard group for the hybrid strategies; 0 = the ranks of one node
+  // (LaunchInfo::local_world_size). Must divide the world size.
+  int hybrid_shard_size = 0;
+
+  // --- owned by later issues: present so configurations can name them, but any non-default
+  // value is refused with "not supported yet" until the feature works.
+  std::string mixed_precision;                           // e.g. "bf16-mixed"
+  fsdp::nn::ModuleTypes activation_checkpointing_policy; // module types to recompute
+  bool cpu_offload = false;
+  std::string state_dict_type = "full";                  // "full" | "sharded"
+};
+
+namespace detail {
+class FsdpState;
+}
+
+// Per-rank model-state bytes of a configuration (fp32 parameters, fp32 gradients and two fp32
+// Adam moments per trainable element), as FSDPStrategy computes them for the memory budget.
+struct FSDPMemoryEstimate {
+  int64_t sharded_param_bytes = 0;    // this rank's padded shards (replicated for NO_SHARD)
+  int64_t sharded_grad_bytes = 0;     // trainable shards only
+  int64_t optimizer_bytes = 0;        // 2 x sharded trainable bytes (Adam/AdamW)
+  int64_t unsharded_peak_bytes = 0;   // root unit + the two largest units unsharded (params+grads)
+  int64_t total_bytes() const {
+    return sharded_param_bytes + sharded_grad_bytes + optimizer_bytes + unsharded_peak_bytes;
+  }
+};
+
+class FSDPStrategy : public Strategy {
+ public:
+  explicit FSDPStrategy(FSDPOptions options = {});
+  ~FSDPStrategy() override;
+
+  // "fsdp", "fsdp_full_shard", ... (see fsdp_strategy_names()).
+  std::string name() const override { return name_; }
+  void set_name(std::string name) { name_ = std::move(name); }
+  const FSDPOptions& options() const { return options_; }
+
+  void connect(ProcessGroupPtr world, const LaunchInfo& launch) override;
+  void enter_configure_model() override;
+  void exit_configure_model() override;
+  // Builds the units (manual wraps, else the auto-wrap policy), checks the memory budget,
+  // shards every parameter and installs the hooks.
+  void setup_module(LightningModule& module) override;
+  void pre_forward(LightningModule& module, bool sync) override;
+  void backward(const at::Tensor& loss) override;
+  void post_backward(LightningModule& module, bool sync) override;
+  void post_eval_step(LightningModule& module) override;
+  double clip_grad_norm(LightningModule& module, double max_norm) override;
+  // Frees the sharded gradients (set_to_none).
+  void zero_grad(torch::optim::Optimizer& optimizer) override;
+
+  // Registered by fsdp::wrap during configure_model.
+  void mark_unit(fsdp::nn::Module& module);
+  bool has_manual_wraps() const { return !manual_units_.empty(); }
+
+  // --- introspection for tests and tools (valid after setup_module).
+  detail::FsdpState& state();
+  FSDPMemoryEstimate memory_estimate() const;
+  // Full parameter values by FQN (collective over the world: every rank calls it).
+  std::vector<std::pair<std::string, at::Tensor>> gather_full_params();
+
+ private:
+  FSDPOptions options_;
+  std::string name_ = "fsdp";
+  std::vector<fsdp::nn::Module*> manual_units_;
+  std::unique_ptr<detail::FsdpState> state_;
+};
+
+// The one parser of FSDP strategy names: "fsdp" (FULL_SHARD), "fsdp_full_shard",
+// "fsdp_shard_grad_op", "fsdp_no_shard", "fsdp_hybrid_shard", "fsdp_hybrid_shard_zero2".
+// An unknown name is an error listing the valid ones.
+std::vector<std::string> fsdp_strategy_names();
+const char* fsdp_strategy_help(const std::string& name);
+std::shared_ptr<FSDPStrategy> make_fsdp_strategy(const std::string& name, FSDPOptions options = {});
+
+// Manual wrapping inside configure_model: marks `module` as a unit when the active strategy is
+// an FSDPStrategy, does nothing otherwise. A model with manual wraps is not re-wrapped by the
+// auto-wrap policy. Returns the module.
+template <typename M>
+std::shared_ptr<M> wrap(std::shared_ptr<M> module);
+void wrap_module(fsdp::nn::Module& module);
+
+template <typename M>
+std::shared_ptr<M> wrap(std::shared_ptr<M> module) {
+  wrap_module(*module);
+  return module;
+}
+
+}  // namespace fsdp

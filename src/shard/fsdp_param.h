@@ -1,0 +1,108 @@
+// FsdpParam: one parameter's sharded and unsharded representation.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace fsdp::detail {
+
+// Note [Sharded and unsharded parameters]
+// ----------------------------------------
+// A parameter exists as two tensors:
+//
+//   unsharded parameter P  The tensor the layer was built with (Linear::weight, ...): same
+//                          TensorImpl the layer's member refers to, full shape, a leaf with the
+//                          original requires_grad. Forward and backward compute with P.
+//                          Its storage holds memory only while its unit is unsharded: reshard
+//                          resizes the storage to 0 bytes, unshard resizes it back
+//                          (at::native::resize_bytes_cpu, what Python's storage().resize_()
+//                          does) and writes the all-gathered values through P.variable_data(),
+//                          so P's version counter does not move and the tensors autograd saved
+//                          in forward (views like weight.t(), which share P's StorageImpl) see
+//                          the refilled values in backward. A plain copy_ into P would bump the
+//                          version and fail backward with "modified by an inplace operation".
+//                          Backward accumulates the unsharded gradient into P.grad; the unit's
+//                          post-backward reduce-scatters and frees it.
+//
+//   sharded parameter S    This rank's dim-0 chunk: rows [r*R, (r+1)*R) of P viewed as
+//                          (dim0, rest...) where R = ceil(dim0 / W) and W = shard-group size;
+//                          rows past dim0 (last ranks) are zero padding. A 0-d or 1-d P is
+//                          viewed as (numel,). S is a separate leaf tensor with its own storage
+//                          and P's requires_grad; S.grad receives the reduce-scattered (averaged)
+//                          gradient. Padding rows get zero gradients, so Adam/AdamW/SGD (with
+//                          weight decay) keep them at 0 and norms over S are exact.
+//
+// Ownership: S replaces P in the owning module's registered parameters (the protected
+// `parameters_` dict of torch::nn::Module), so module.parameters()/named_parameters() return
+// sharded parameters and the optimizer built in configure_optimizers owns S (Lightning
+// semantics), while the layer's member still refers to P. FsdpParam holds both.
+//
+// With a shard group of one rank (world 1, NO_SHARD) the shard is the whole parameter: S and P
+// are the same tensor, nothing is swapped and unshard/reshard move no memory.
+class FsdpParam {
+ public:
+  // One place where the parameter is registered: module->parameters_[name]. A tensor may be
+  // registered several times (tied weights inside one unit).
+  struct Registration {
+    torch::nn::Module* module;
+    std::string name;
+    std::string fqn;
+  };
+
+  FsdpParam(at::Tensor unsharded, Registration first, int shard_rank, int shard_world);
+
+  void add_registration(Registration reg) { registrations_.push_back(std::move(reg)); }
+  const std::vector<Registration>& registrations() const { return registrations_; }
+  const std::string& fqn() const { return registrations_.front().fqn; }
+
+  // Creates S from P's current values, frees P's storage and swaps S into every registration.
+  void shard();
+
+  const at::Tensor& unsharded() const { return unsharded_; }  // P
+  const at::Tensor& sharded() const { return sharded_; }      // S
+  bool requires_grad() const { return requires_grad_; }
+  bool aliased() const { return shard_world_ == 1; }
+
+  at::IntArrayRef full_shape() const { return unsharded_.sizes(); }
+  int64_t dim0() const { return dim0_; }                // rows of P viewed as (dim0, row)
+  int64_t row_numel() const { return row_numel_; }
+  int64_t shard_rows() const { return shard_rows_; }    // R = ceil(dim0 / W)
+  int64_t shard_numel() const { return shard_rows_ * row_numel_; }
+  int64_t padded_numel() const { return shard_numel() * shard_world_; }
+  int64_t full_nbytes() const { return unsharded_.numel() * unsharded_.element_size(); }
+  int64_t shard_nbytes() const { return shard_numel() * unsharded_.element_size(); }
+
+  // --- P's storage. See Note [Sharded and unsharded parameters].
+  void free_unsharded();    // storage -> 0 bytes
+  void alloc_unsharded();   // storage -> full bytes (values undefined until copy-out)
+  bool unsharded_allocated() const;
+
+  // Copy-in: S (flattened) into `dst` (shard_numel() elements).
+  void copy_in(const at::Tensor& dst) const;
+  // Copy-out: `all_gather_output.view({W, total}).narrow(1, offset, shard_numel())` -> P.
+  void copy_out(const at::Tensor& rank_major) const;
+  // Unsharded grad into a rank-major (W, shard_numel) slice of the reduce-scatter input
+  // (pre-zeroed: padding rows stay 0).
+  void copy_grad_in(const at::Tensor& rank_major) const;
+
+ private:
+  at::Tensor unsharded_;  // P, full shape
+  at::Tensor sharded_;    // S, (R, rest...) or (R,) for 0-d/1-d P
+  std::vector<Registration> registrations_;
+  bool requires_grad_;
+  int shard_rank_;
+  int shard_world_;
+  int64_t dim0_;
+  int64_t row_numel_;
+  int64_t shard_rows_;
+};
+
+// Reaches the protected parameters_ dict of any torch::nn::Module.
+torch::OrderedDict<std::string, at::Tensor>& registered_parameters(torch::nn::Module& module);
+
+}  // namespace fsdp::detail

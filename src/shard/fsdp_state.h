@@ -1,0 +1,83 @@
+// FsdpState: all units of one model, their hooks, the step's bookkeeping and prefetching.
+#pragma once
+
+#include "fsdp/comm.h"
+#include "fsdp/fsdp_strategy.h"
+#include "shard/fsdp_param_group.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace fsdp::detail {
+
+struct FsdpConfig {
+  bool reshard_after_forward = true;  // FULL_SHARD / HYBRID_SHARD
+  bool forward_prefetch = false;
+  BackwardPrefetch backward_prefetch = BackwardPrefetch::kPre;
+  bool limit_all_gathers = false;
+};
+
+// A unit to build: the module (null for the root) and its FQN.
+struct UnitSpec {
+  fsdp::nn::Module* module = nullptr;
+  std::string fqn;
+};
+
+class FsdpState {
+ public:
+  FsdpState(FsdpConfig config, ProcessGroupPtr shard_group, ProcessGroupPtr replicate_group);
+  ~FsdpState();
+
+  // Assigns every parameter of `root` to the closest enclosing unit (or the root unit) and
+  // checks tied parameters. Nothing is sharded yet.
+  void build(torch::nn::Module& root, const std::vector<UnitSpec>& units);
+  // Shards every parameter and installs the forward hooks on the units' modules.
+  void materialize();
+
+  const FsdpConfig& config() const { return config_; }
+  std::vector<std::unique_ptr<FsdpParamGroup>>& units() { return units_; }  // root unit first
+  FsdpParamGroup& root_unit() { return *units_.front(); }
+  std::vector<FsdpParam*> all_params();
+  const ProcessGroupPtr& shard_group() const { return shard_group_; }
+  const ProcessGroupPtr& replicate_group() const { return replicate_group_; }
+
+  // --- one step.
+  bool sync() const { return sync_; }
+  void begin_step(bool sync);           // Strategy::pre_forward: unshard the root unit
+  void on_backward_start();             // first pre-backward of a backward: queue the callback
+  void on_backward_end();               // the queued end-of-backward callback
+  bool backward_finalized() const { return !callback_queued_; }
+  void finish_step();                   // Strategy::post_backward: wait, check invariants
+  void finish_eval_step();              // reshard everything, drop prefetches
+
+  // --- prefetch. See Note [Prefetch] in fsdp_state.cpp.
+  void record_forward(FsdpParamGroup& unit);
+  void prefetch_after_forward_of(FsdpParamGroup& unit);
+  void prefetch_before_backward_of(FsdpParamGroup& unit);
+  const std::vector<FsdpParamGroup*>& forward_order() const { return forward_order_; }
+
+  // Diagnostics: how many all-gathers were issued as prefetches and how many were skipped
+  // because of limit_all_gathers (for tests).
+  int64_t num_prefetches() const { return num_prefetches_; }
+  int64_t num_prefetches_limited() const { return num_prefetches_limited_; }
+
+ private:
+  bool may_prefetch(FsdpParamGroup& candidate);
+
+  FsdpConfig config_;
+  ProcessGroupPtr shard_group_;
+  ProcessGroupPtr replicate_group_;
+  std::vector<std::unique_ptr<FsdpParamGroup>> units_;
+  // Cleared in the destructor; hooks on the modules check it (the model may outlive us).
+  std::shared_ptr<bool> alive_;
+
+  bool sync_ = true;
+  bool callback_queued_ = false;
+  bool order_frozen_ = false;
+  std::vector<FsdpParamGroup*> forward_order_;
+  int64_t num_prefetches_ = 0;
+  int64_t num_prefetches_limited_ = 0;
+};
+
+}  // namespace fsdp::detail

@@ -1,0 +1,120 @@
+#include "shard/wrap_policy.h"
+
+#include <c10/util/Exception.h>
+
+#include <functional>
+#include <set>
+#include <typeinfo>
+#include <unordered_map>
+
+namespace fsdp {
+
+AutoWrapPolicy AutoWrapPolicy::of_types(fsdp::nn::ModuleTypes types) {
+  AutoWrapPolicy p;
+  p.kind = Kind::kTypes;
+  p.types = std::move(types);
+  return p;
+}
+
+AutoWrapPolicy AutoWrapPolicy::size_based(int64_t min_num_params) {
+  TORCH_CHECK(min_num_params > 0, "[auto_wrap_policy] size-based policy needs min_num_params > 0, "
+              "got ", min_num_params);
+  AutoWrapPolicy p;
+  p.kind = Kind::kSize;
+  p.min_num_params = min_num_params;
+  return p;
+}
+
+AutoWrapPolicy AutoWrapPolicy::of_predicate(
+    std::function<bool(const torch::nn::Module&, int64_t nparams)> predicate) {
+  TORCH_CHECK(static_cast<bool>(predicate), "[auto_wrap_policy] empty predicate");
+  AutoWrapPolicy p;
+  p.kind = Kind::kPredicate;
+  p.predicate = std::move(predicate);
+  return p;
+}
+
+namespace detail {
+
+std::vector<UnitSpec> select_units(torch::nn::Module& root, const AutoWrapPolicy& policy,
+                                   const std::vector<fsdp::nn::Module*>& manual) {
+  // FQN of every module, pre-order (first path wins for shared modules).
+  std::vector<std::pair<torch::nn::Module*, std::string>> modules;
+  std::set<const torch::nn::Module*> seen;
+  std::function<void(torch::nn::Module&, const std::string&)> walk =
+      [&](torch::nn::Module& m, const std::string& fqn) {
+        if (!seen.insert(&m).second) return;
+        modules.emplace_back(&m, fqn);
+        for (auto& child : m.named_children()) {
+          walk(*child.value(), fqn.empty() ? child.key() : fqn + "." + child.key());
+        }
+      };
+  walk(root, "");
+
+  std::vector<UnitSpec> units;
+  if (!manual.empty()) {
+    std::set<const torch::nn::Module*> marked(manual.begin(), manual.end());
+    for (auto& [m, fqn] : modules) {
+      if (m == &root && marked.count(m)) continue;  // the root is always the root unit
+      if (marked.count(m)) units.push_back({static_cast<fsdp::nn::Module*>(m), fqn});
+    }
+    TORCH_CHECK(units.size() + marked.count(&root) == marked.size(),
+                "[fsdp::wrap] ", marked.size() - units.size(),
+                " wrapped module(s) are not registered under the model. HINT: assign the result "
+                "of fsdp::wrap(...) to a member registered with register_module.");
+    return units;
+  }
+
+  switch (policy.kind) {
+    case AutoWrapPolicy::Kind::kNone:
+      return units;
+    case AutoWrapPolicy::Kind::kTypes: {
+      for (auto& [m, fqn] : modules) {
+        if (m == &root || !fsdp::nn::is_instance_of(*m, policy.types)) continue;
+        auto* hooked = dynamic_cast<fsdp::nn::Module*>(m);
+        TORCH_CHECK(hooked != nullptr, "[auto_wrap_policy] module '", fqn, "' (", m->name(),
+                    ") matches the policy but is not an fsdp::nn::Module, so it has no forward "
+                    "hooks to unshard it. HINT: derive the layer from fsdp::nn::Module.");
+        units.push_back({hooked, fqn});
+      }
+      return units;
+    }
+    case AutoWrapPolicy::Kind::kSize:
+    case AutoWrapPolicy::Kind::kPredicate: {
+      // Children first: a module's count is the parameter elements no descendant unit took.
+      std::unordered_map<const torch::nn::Module*, std::string> fqn_of;
+      for (auto& [m, fqn] : modules) fqn_of.emplace(m, fqn);
+      std::set<const c10::TensorImpl*> counted;
+      std::set<const torch::nn::Module*> done;
+      std::vector<UnitSpec> chosen;  // post-order
+      std::function<int64_t(torch::nn::Module&)> count = [&](torch::nn::Module& m) -> int64_t {
+        if (!done.insert(&m).second) return 0;
+        int64_t n = 0;
+        for (auto& child : m.named_children()) n += count(*child.value());
+        for (auto& p : m.named_parameters(/*recurse=*/false)) {
+          if (counted.insert(p.value().unsafeGetTensorImpl()).second) n += p.value().numel();
+        }
+        auto* hooked = dynamic_cast<fsdp::nn::Module*>(&m);
+        if (&m == &root || hooked == nullptr) return n;
+        const bool wrap = policy.kind == AutoWrapPolicy::Kind::kSize
+                              ? n >= policy.min_num_params
+                              : policy.predicate(m, n);
+        if (!wrap) return n;
+        chosen.push_back({hooked, fqn_of[&m]});
+        return 0;
+      };
+      count(root);
+      // Report in pre-order, like the other policies.
+      std::set<const torch::nn::Module*> picked;
+      for (auto& u : chosen) picked.insert(u.module);
+      for (auto& [m, fqn] : modules) {
+        if (picked.count(m)) units.push_back({static_cast<fsdp::nn::Module*>(m), fqn});
+      }
+      return units;
+    }
+  }
+  return units;
+}
+
+}  // namespace detail
+}  // namespace fsdp
