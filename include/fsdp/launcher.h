@@ -23,11 +23,11 @@ struct LaunchInfo {
   int num_nodes = 1;
   std::string master_addr = "127.0.0.1";
   int master_port = 0;
-  std::string source = "none";  // "none" | "spawn" | "env" | "slurm" | "mpirun"
+  std::string source = "none";  // "none" | "spawn" | "fsdp-run" | "env" | "slurm" | "mpirun"
 };
 
 struct LaunchOptions {
-  int devices = 1;             // ranks per node
+  int devices = 1;             // ranks per node; <= 0: as many as the launcher started (or 1)
   int num_nodes = 1;
   std::string backend = "auto";
 };
@@ -42,5 +42,10 @@ LaunchInfo launch_info_from_env();
 // Marks the start of a rank's failure: prints "[rank R] error: <what>" once to stderr and ends
 // the process with a non-zero status so the watcher stops the other ranks.
 [[noreturn]] void fail_rank(const std::string& what, int exit_code = 1);
+
+// Rank 0 of a job spawned by launch(): waits for the other ranks to finish; if one fails,
+// reports it and exits with its code. Optional: an exit hook does the same when main returns
+// (see README "Launcher"). No-op in every other rank and when nothing was spawned.
+void finalize_ranks();
 
 }  // namespace fsdp

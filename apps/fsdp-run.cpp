@@ -1,0 +1,122 @@
+// fsdp-run: our torchrun. Starts N local ranks of any program with the launcher environment
+// (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT,
+// OMP_NUM_THREADS/FSDP_NUM_THREADS), watches them, and ends all of them when one fails.
+//
+//   fsdp-run -n 4 -- build/bin/fsdp-train --devices 4 ...
+//   fsdp-run -n 2 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 -- prog
+//   fsdp-run -n 4 --backend mpi -- prog        (runs `mpirun -n 4 ... prog`, see Note [MPI launch])
+#include <CLI/CLI.hpp>
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <iostream>
+
+#include "comm/launcher_detail.h"
+
+namespace {
+
+fsdp::detail::Supervisor* g_sup = nullptr;
+
+void on_stop_signal(int sig) {
+  if (g_sup) g_sup->request_stop(sig);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace fsdp::detail;
+  CLI::App app{
+      "fsdp-run: start N ranks of a program on this node (our torchrun). One rank failing "
+      "stops all ranks; the exit status is the failing rank's."};
+  int nproc = 1, nnodes = 1, node_rank = 0, master_port = 0;
+  std::string master_addr = get_env("MASTER_ADDR", "127.0.0.1");
+  std::string backend = "gloo";
+  std::vector<std::string> command;
+  double grace = 3.0;
+  app.add_option("-n,--nproc-per-node", nproc, "ranks on this node")
+      ->required()
+      ->check(CLI::Range(1, 4096));
+  app.add_option("--nnodes", nnodes, "number of nodes (run fsdp-run on each)")
+      ->check(CLI::Range(1, 1 << 20));
+  app.add_option("--node-rank", node_rank, "index of this node, 0..nnodes-1")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--master-addr", master_addr, "address of node 0 (rank 0's host)");
+  app.add_option("--master-port", master_port,
+                 "TCP port on node 0 for the rendezvous (default: MASTER_PORT, or a free port "
+                 "when --nnodes 1)")
+      ->check(CLI::Range(1, 65535));
+  app.add_option("--backend", backend, "gloo (default, spawns ranks) or mpi (runs mpirun)")
+      ->check(CLI::IsMember({"gloo", "mpi", "auto"}));
+  app.add_option("--kill-grace", grace,
+                 "seconds between SIGTERM and SIGKILL when stopping ranks after a failure")
+      ->check(CLI::Range(0.0, 3600.0));
+  app.add_option("command", command, "PROGRAM ARGS... (after --)")->required();
+  CLI11_PARSE(app, argc, argv);
+
+  try {
+    TORCH_CHECK(node_rank < nnodes, "[fsdp-run] --node-rank ", node_rank, " must be below --nnodes ",
+                nnodes);
+    if (master_port == 0 && has_env("MASTER_PORT"))
+      master_port = std::atoi(get_env("MASTER_PORT").c_str());
+    if (master_port == 0) {
+      TORCH_CHECK(nnodes == 1, "[fsdp-run] --nnodes ", nnodes, " needs --master-port (the same "
+                  "port on every node; rank 0's node listens on it)");
+      master_port = free_port();
+    }
+    int world = nproc * nnodes;
+    int threads = threads_per_rank(nproc);
+
+    if (backend == "mpi") {
+      TORCH_CHECK(nnodes == 1, "[fsdp-run] --backend mpi with --nnodes ", nnodes, ": run mpirun "
+                  "yourself with a hostfile (`mpirun -n ", world, " --hostfile hosts prog`); "
+                  "the program adopts mpirun's ranks");
+      std::vector<std::string> mpi = mpirun_prefix(nproc);
+      mpi.insert(mpi.end(), command.begin(), command.end());
+      ::setenv("OMP_NUM_THREADS", std::to_string(threads).c_str(), 1);
+      ::setenv(kEnvNumThreads, std::to_string(threads).c_str(), 1);
+      if (nproc > available_cores()) ::setenv("OMPI_MCA_mpi_yield_when_idle", "1", 1);
+      std::vector<char*> cargv;
+      for (auto& a : mpi) cargv.push_back(a.data());
+      cargv.push_back(nullptr);
+      ::execv(mpi[0].c_str(), cargv.data());
+      std::cerr << "fsdp-run: cannot execute " << mpi[0] << ": " << std::strerror(errno) << "\n";
+      return 127;
+    }
+
+    SupervisorOptions sopt;
+    sopt.world_size = world;
+    sopt.self_rank = -1;
+    sopt.forward_stderr = true;
+    sopt.kill_grace_s = grace;
+    sopt.who = "fsdp-run";
+    Supervisor sup(sopt);
+    for (int local = 0; local < nproc; ++local) {
+      int rank = node_rank * nproc + local;
+      std::map<std::string, std::string> env = {
+          {"RANK", std::to_string(rank)},
+          {"WORLD_SIZE", std::to_string(world)},
+          {"LOCAL_RANK", std::to_string(local)},
+          {"LOCAL_WORLD_SIZE", std::to_string(nproc)},
+          {"GROUP_RANK", std::to_string(node_rank)},
+          {"MASTER_ADDR", master_addr},
+          {"MASTER_PORT", std::to_string(master_port)},
+          {"OMP_NUM_THREADS", std::to_string(threads)},
+          {kEnvNumThreads, std::to_string(threads)},
+          {kEnvLauncher, "fsdp-run"},
+      };
+      sup.spawn({rank, command, make_env(env)});
+    }
+    g_sup = &sup;
+    struct sigaction sa {};
+    sa.sa_handler = on_stop_signal;
+    sigemptyset(&sa.sa_mask);
+    for (int sig : {SIGINT, SIGTERM, SIGHUP}) ::sigaction(sig, &sa, nullptr);
+    int code = sup.run();
+    g_sup = nullptr;
+    return code;
+  } catch (const c10::Error& e) {
+    std::cerr << "fsdp-run: " << e.what_without_backtrace() << "\n";
+    return 2;
+  }
+}

@@ -1,0 +1,73 @@
+// A program for tests/test_launcher.cpp: becomes N ranks through fsdp::launch (or adopts
+// fsdp-run's / mpirun's ranks), prints what each rank sees, and lets one rank fail in a chosen
+// way while the others wait (as ranks blocked in a collective would).
+//
+//   helper_launch --devices 3 --fail-rank 2 --how throw|abort|sigkill|exit|segv|fail_rank
+#include <ATen/Parallel.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+#include <thread>
+
+#include "fsdp/launcher.h"
+
+int main(int argc, char** argv) {
+  fsdp::LaunchOptions options;
+  options.devices = 0;
+  int fail_rank = -1;
+  std::string how = "throw";
+  double delay_s = 0.3;
+  double survivor_s = 60;  // how long the other ranks wait before exiting 0 by themselves
+  int rank0_status = 0;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto next = [&] { return std::string(i + 1 < argc ? argv[++i] : ""); };
+    if (a == "--devices") options.devices = std::atoi(next().c_str());
+    else if (a == "--backend") options.backend = next();
+    else if (a == "--fail-rank") fail_rank = std::atoi(next().c_str());
+    else if (a == "--how") how = next();
+    else if (a == "--delay") delay_s = std::atof(next().c_str());
+    else if (a == "--survivor-wait") survivor_s = std::atof(next().c_str());
+    else if (a == "--rank0-status") rank0_status = std::atoi(next().c_str());
+    else {
+      std::fprintf(stderr, "helper_launch: unknown argument %s\n", a.c_str());
+      return 2;
+    }
+  }
+  fsdp::LaunchInfo info = fsdp::launch(options);
+  std::printf("rank %d world %d local %d/%d node %d/%d source %s threads %d pid %d port %d\n",
+              info.rank, info.world_size, info.local_rank, info.local_world_size,
+              info.node_rank, info.num_nodes, info.source.c_str(), at::get_num_threads(),
+              static_cast<int>(::getpid()), info.master_port);
+  std::fflush(stdout);
+
+  auto sleep_s = [](double s) {
+    std::this_thread::sleep_for(std::chrono::duration<double>(s));
+  };
+  if (info.rank == fail_rank) {
+    sleep_s(delay_s);
+    if (how == "throw") throw std::runtime_error("helper: rank " + std::to_string(info.rank) + " throws on purpose");
+    if (how == "fail_rank") fsdp::fail_rank("helper: rank fails on purpose", 3);
+    if (how == "abort") std::abort();
+    if (how == "sigkill") ::raise(SIGKILL);
+    if (how == "segv") ::raise(SIGSEGV);
+    if (how == "exit") {
+      std::fprintf(stderr, "helper: rank %d exits with status 7\n", info.rank);
+      return 7;
+    }
+  } else if (fail_rank >= 0) {
+    // A survivor: would be blocked in a collective; when the launcher kills it, it never
+    // reaches the message below.
+    sleep_s(survivor_s);
+    std::fprintf(stderr, "helper: rank %d secondary error after waiting %.0f s\n", info.rank,
+                 survivor_s);
+    return 5;
+  }
+  if (info.rank == 0 && rank0_status != 0) return rank0_status;
+  return 0;
+}
