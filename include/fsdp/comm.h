@@ -16,6 +16,8 @@
 
 namespace fsdp {
 
+// kAvg = sum / group size: in fp32 for bf16/fp16 (one rounding), truncating integer division
+// for int32/int64.
 enum class ReduceOp { kSum, kAvg, kMax };
 
 const char* to_string(ReduceOp op);
@@ -103,6 +105,11 @@ struct ProcessGroupOptions {
   std::chrono::milliseconds timeout = std::chrono::minutes(10);
   // Rank/world/master address come from the environment (RANK, WORLD_SIZE, MASTER_ADDR,
   // MASTER_PORT, or OMPI_COMM_WORLD_* under mpirun); the launcher sets them.
+  // Explicit values below win over the environment (-1 / "" / 0 = take it from the env).
+  int rank = -1;
+  int world_size = -1;
+  std::string master_addr;
+  int master_port = 0;
 };
 
 // Creates the world group from the environment. World size 1 without any env is fine.
@@ -110,6 +117,11 @@ ProcessGroupPtr init_process_group(const ProcessGroupOptions& options = {});
 
 // The world group created by init_process_group (nullptr before).
 ProcessGroupPtr world_group();
+
+// Shuts down every group (queued work finishes first) and forgets the world group. Called at
+// process exit too; init_process_group may be called again afterwards (gloo; MPI itself can be
+// initialised only once per process, so its world group is re-created on the same MPI).
+void destroy_process_group();
 
 // 2-D device mesh for hybrid sharding: ranks laid out as [replicate][shard], shard_size
 // consecutive ranks form a shard group (typically one node), ranks with the same index in

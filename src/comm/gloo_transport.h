@@ -1,0 +1,33 @@
+// Gloo backend: c10d::ProcessGroupGloo over TCP, rendezvous through a c10d::TCPStore hosted by
+// rank 0 at MASTER_ADDR:MASTER_PORT.
+#pragma once
+
+#include "comm/process_group_impl.h"
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+namespace fsdp::detail {
+
+struct GlooWorldOptions {
+  int rank = 0;
+  int size = 1;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;
+  std::chrono::milliseconds timeout{std::chrono::minutes(10)};
+};
+
+struct GlooWorld {
+  std::unique_ptr<Transport> transport;
+  // A second client of the rendezvous store, for the Monitor's heartbeats.
+  c10::intrusive_ptr<c10d::Store> monitor_store;
+};
+
+// Collective over all ranks: connects to (or, on rank 0, hosts) the store and builds the world
+// ProcessGroupGloo.
+GlooWorld make_gloo_world(const GlooWorldOptions& options);
+
+}  // namespace fsdp::detail

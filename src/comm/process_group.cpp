@@ -1,0 +1,254 @@
+// init_process_group, world_group, destroy_process_group, make_2d_mesh.
+#include "comm/debug.h"
+#include "comm/gloo_transport.h"
+#include "comm/mpi_transport.h"
+#include "comm/process_group_impl.h"
+
+#include <c10/util/Exception.h>
+
+#include <cstdlib>
+#include <mutex>
+#include <sstream>
+
+namespace fsdp {
+
+namespace {
+
+enum class BackendKind { kGloo, kMpi };
+
+struct Globals {
+  std::mutex mutex;
+  std::shared_ptr<detail::GroupImpl> world;
+  std::vector<std::weak_ptr<detail::GroupImpl>> groups;
+  bool atexit_registered = false;
+};
+
+Globals& globals() {
+  static auto* g = new Globals();  // leaked on purpose: used from atexit
+  return *g;
+}
+
+const char* env(const char* name) {
+  const char* v = std::getenv(name);
+  return (v != nullptr && *v != '\0') ? v : nullptr;
+}
+
+int env_int(const char* name, int fallback) {
+  const char* v = env(name);
+  if (v == nullptr) return fallback;
+  try {
+    size_t pos = 0;
+    int x = std::stoi(v, &pos);
+    TORCH_CHECK(pos == std::string(v).size(), "trailing characters");
+    return x;
+  } catch (const std::exception&) {
+    TORCH_CHECK(false, "[init_process_group] environment variable ", name, "='", v,
+                "' is not an integer");
+  }
+}
+
+BackendKind parse_backend(const std::string& name) {
+  if (name == "gloo") return BackendKind::kGloo;
+  if (name == "mpi") return BackendKind::kMpi;
+  if (name == "auto" || name.empty()) {
+    return env("OMPI_COMM_WORLD_SIZE") != nullptr && detail::mpi_built() ? BackendKind::kMpi
+                                                                         : BackendKind::kGloo;
+  }
+  TORCH_CHECK(false, "[init_process_group] unknown backend '", name,
+              "'; valid backends: gloo, mpi, auto (mpi when launched by mpirun, else gloo)");
+}
+
+std::chrono::milliseconds timeout_from(const ProcessGroupOptions& options) {
+  const char* v = env("FSDP_COLLECTIVE_TIMEOUT_S");
+  if (v == nullptr) return options.timeout;
+  double s = 0;
+  try {
+    s = std::stod(v);
+  } catch (const std::exception&) {
+    s = -1;
+  }
+  TORCH_CHECK(s > 0, "[init_process_group] FSDP_COLLECTIVE_TIMEOUT_S='", v,
+              "' must be a positive number of seconds (e.g. 600)");
+  return std::chrono::milliseconds(static_cast<int64_t>(s * 1000.0));
+}
+
+void shutdown_all_locked(Globals& g) {
+  // Newest first: subgroups before the world group they were split from.
+  for (auto it = g.groups.rbegin(); it != g.groups.rend(); ++it) {
+    if (auto group = it->lock()) group->shutdown();
+  }
+  g.groups.clear();
+  g.world.reset();
+}
+
+void at_exit() {
+  auto& g = globals();
+  {
+    std::lock_guard<std::mutex> lock(g.mutex);
+    shutdown_all_locked(g);
+  }
+  detail::finalize_mpi();
+}
+
+}  // namespace
+
+namespace detail {
+void track_group(const std::shared_ptr<GroupImpl>& group) {
+  auto& g = globals();
+  std::lock_guard<std::mutex> lock(g.mutex);
+  g.groups.erase(std::remove_if(g.groups.begin(), g.groups.end(),
+                                [](const std::weak_ptr<GroupImpl>& w) { return w.expired(); }),
+                 g.groups.end());
+  g.groups.push_back(group);
+}
+}  // namespace detail
+
+ProcessGroupPtr init_process_group(const ProcessGroupOptions& options) {
+  const BackendKind kind = parse_backend(options.backend);
+  const auto timeout = timeout_from(options);
+  {
+    auto& g = globals();
+    std::lock_guard<std::mutex> lock(g.mutex);
+    shutdown_all_locked(g);  // re-initialisation replaces the previous world
+    if (!g.atexit_registered) {
+      std::atexit(at_exit);
+      g.atexit_registered = true;
+    }
+  }
+  int rank = options.rank >= 0 ? options.rank
+                               : env_int("RANK", env_int("OMPI_COMM_WORLD_RANK", 0));
+  int size = options.world_size > 0 ? options.world_size
+                                    : env_int("WORLD_SIZE", env_int("OMPI_COMM_WORLD_SIZE", 1));
+  TORCH_CHECK(size >= 1 && rank >= 0 && rank < size, "[init_process_group] rank ", rank,
+              " is not in [0, world size ", size, "); check RANK and WORLD_SIZE");
+
+  detail::GroupConfig cfg;
+  cfg.backend = kind == BackendKind::kGloo ? "gloo" : "mpi";
+  cfg.name = "world";
+  cfg.uid = "world";
+  cfg.timeout = timeout;
+  cfg.debug_detail = detail::debug_detail_from_env();
+
+  std::unique_ptr<detail::Transport> transport;
+  std::shared_ptr<detail::CommThread> thread;
+  c10::intrusive_ptr<c10d::Store> monitor_store;
+  bool own_thread = true;
+  if (kind == BackendKind::kMpi) {
+    TORCH_CHECK(detail::mpi_built(),
+                "[init_process_group] backend 'mpi' is not built in; reconfigure with "
+                "-DFSDP_WITH_MPI=ON or use backend 'gloo'");
+    const bool under_mpirun = env("OMPI_COMM_WORLD_SIZE") != nullptr;
+    TORCH_CHECK(under_mpirun || size == 1, "[init_process_group] backend 'mpi' at world size ",
+                size,
+                " needs ranks started by mpirun (OMPI_COMM_WORLD_SIZE is not set); run "
+                "`fsdp-run -n N --backend mpi -- PROGRAM` or `mpirun -n N PROGRAM`, or use "
+                "backend 'gloo'");
+    if (under_mpirun && env_int("OMPI_COMM_WORLD_SIZE", 1) > 1) {
+      auto world = detail::make_mpi_world();
+      TORCH_CHECK(options.world_size <= 0 || options.world_size == world.size,
+                  "[init_process_group] world_size ", options.world_size,
+                  " disagrees with mpirun's ", world.size);
+      rank = world.rank;
+      size = world.size;
+      transport = std::move(world.transport);
+      thread = world.thread;
+      monitor_store = world.monitor_store;
+      own_thread = false;
+    }
+  } else if (size > 1) {
+    detail::GlooWorldOptions go;
+    go.rank = rank;
+    go.size = size;
+    go.master_addr = !options.master_addr.empty() ? options.master_addr
+                     : env("MASTER_ADDR")         ? env("MASTER_ADDR")
+                                                  : "127.0.0.1";
+    go.master_port = options.master_port > 0 ? options.master_port : env_int("MASTER_PORT", 0);
+    go.timeout = timeout;
+    auto world = detail::make_gloo_world(go);
+    transport = std::move(world.transport);
+    monitor_store = world.monitor_store;
+    thread = std::make_shared<detail::CommThread>("fsdp-comm world");
+  }
+  if (size == 1) {
+    transport.reset();
+    thread.reset();
+  }
+  cfg.rank = rank;
+  cfg.size = size;
+  for (int r = 0; r < size; ++r) cfg.world_ranks.push_back(r);
+  std::shared_ptr<detail::Monitor> monitor;
+  if (size > 1 && monitor_store) {
+    auto period = std::clamp<std::chrono::milliseconds>(
+        timeout / 4, std::chrono::milliseconds(100), std::chrono::milliseconds(1000));
+    monitor = std::make_shared<detail::Monitor>(monitor_store, rank, period);
+  }
+  auto group = std::make_shared<detail::GroupImpl>(std::move(cfg), std::move(transport),
+                                                   std::move(thread), std::move(monitor),
+                                                   own_thread);
+  detail::track_group(group);
+  auto& g = globals();
+  std::lock_guard<std::mutex> lock(g.mutex);
+  g.world = group;
+  return group;
+}
+
+ProcessGroupPtr world_group() {
+  auto& g = globals();
+  std::lock_guard<std::mutex> lock(g.mutex);
+  return g.world;
+}
+
+void destroy_process_group() {
+  auto& g = globals();
+  std::lock_guard<std::mutex> lock(g.mutex);
+  shutdown_all_locked(g);
+}
+
+DeviceMesh make_2d_mesh(const ProcessGroupPtr& world, int shard_size) {
+  TORCH_CHECK(world != nullptr, "[make_2d_mesh] world group is null; call init_process_group first");
+  const int n = world->size();
+  if (shard_size <= 0 || n % shard_size != 0) {
+    std::ostringstream divisors;
+    for (int d = 1; d <= n; ++d) {
+      if (n % d == 0) divisors << (d > 1 ? ", " : "") << d;
+    }
+    TORCH_CHECK(false, "[make_2d_mesh] world size ", n, " is not divisible by shard_size ",
+                shard_size, "; choose one of: ", divisors.str());
+  }
+  const auto& ranks = world->world_ranks();
+  DeviceMesh mesh;
+  mesh.shard_size = shard_size;
+  mesh.replicate_size = n / shard_size;
+  auto name = [](const char* kind, const std::vector<int>& rs) {
+    std::ostringstream out;
+    out << kind << "[";
+    for (size_t i = 0; i < rs.size(); ++i) out << (i ? "," : "") << rs[i];
+    out << "]";
+    return out.str();
+  };
+  // Every rank creates every subgroup in the same order (new_subgroup is collective).
+  for (int g = 0; g < mesh.replicate_size; ++g) {
+    std::vector<int> members(ranks.begin() + g * shard_size,
+                             ranks.begin() + (g + 1) * shard_size);
+    if (auto sub = world->new_subgroup(members)) {
+      if (auto* impl = dynamic_cast<detail::GroupImpl*>(sub.get())) {
+        impl->set_name(name("shard", members));
+      }
+      mesh.shard_group = sub;
+    }
+  }
+  for (int i = 0; i < shard_size; ++i) {
+    std::vector<int> members;
+    for (int g = 0; g < mesh.replicate_size; ++g) members.push_back(ranks[g * shard_size + i]);
+    if (auto sub = world->new_subgroup(members)) {
+      if (auto* impl = dynamic_cast<detail::GroupImpl*>(sub.get())) {
+        impl->set_name(name("replicate", members));
+      }
+      mesh.replicate_group = sub;
+    }
+  }
+  TORCH_INTERNAL_ASSERT(mesh.shard_group && mesh.replicate_group);
+  return mesh;
+}
+
+}  // namespace fsdp
