@@ -1,0 +1,404 @@
+// fsdp-train: train a demo language model with any strategy, from the command line.
+//
+//   fsdp-train --model transformer-small --strategy ddp --devices 2 --max-steps 100
+//   fsdp-train --model custom --nlayers 4 --ninp 256 --nhead 4 --nhid 1024 --data wikitext2 \
+//              --data-dir ../shared/data/wikitext-2
+//
+// Every flag mirrors a TrainerOptions field or a model/data choice (`--help` lists them with
+// their defaults). An unknown flag or a bad value prints one line and exits 2; an error during
+// the run prints "[rank R] error: ..." once and exits 1 (all ranks stop).
+#include <fsdp/fsdp.h>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <limits>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace {
+
+struct Args {
+  // Trainer
+  std::string accelerator = "cpu";
+  int devices = 1;
+  int num_nodes = 1;
+  std::string strategy = "auto";
+  std::string precision = "32-true";
+  int64_t max_steps = 100;
+  int64_t max_epochs = -1;
+  int64_t accumulate_grad_batches = 1;
+  double gradient_clip_val = 0;
+  double limit_train_batches = -1;
+  double limit_val_batches = -1;
+  double val_check_interval = 0;
+  int64_t log_every = 10;
+  std::string default_root_dir = "fsdp_logs";
+  std::string backend = "auto";
+  bool no_progress_bar = false;
+  uint64_t seed = 42;
+  // Model
+  std::string model = "transformer-tiny";
+  int64_t nlayers = 2, nhid = 200, ninp = 200, nhead = 2;
+  int64_t vocab_size = 0;
+  double dropout = 0.2;
+  // Optimizer
+  std::string optimizer = "adam";
+  double lr = 1e-3;
+  double weight_decay = 0;
+  // Data
+  std::string data = "synthetic";
+  std::string data_dir = "data/wikitext-2";
+  int64_t batch_size = 4;
+  int64_t block_size = 35;
+  int64_t num_tokens = 0;
+  // Output
+  std::string summary_json;
+};
+
+// What the model is made of; built on every rank from the same flags and seed.
+struct ModelSpec {
+  std::string name;                        // a registry preset, or "custom"
+  fsdp::demos::TransformerOptions custom;  // when name == "custom"
+  int64_t vocab_size = 0;
+  double dropout = 0;
+};
+
+std::shared_ptr<fsdp::nn::Module> build_model(const ModelSpec& spec) {
+  if (spec.name == "custom") {
+    auto options = spec.custom;
+    options.vocab_size = spec.vocab_size;
+    options.dropout = spec.dropout;
+    return std::make_shared<fsdp::demos::Transformer>(options);
+  }
+  return fsdp::demos::make_model(spec.name, spec.vocab_size, spec.dropout);
+}
+
+// The reference's LanguageModel: the demo model built in configure_model, nll_loss over its
+// log-probabilities.
+class LanguageModel : public fsdp::LightningModule {
+ public:
+  LanguageModel(ModelSpec spec, std::string optimizer, double lr, double weight_decay)
+      : spec_(std::move(spec)), optimizer_(std::move(optimizer)), lr_(lr), wd_(weight_decay) {}
+
+  void configure_model() override {
+    if (model_) return;  // idempotent, as Lightning asks
+    model_ = register_module("model", build_model(spec_));
+  }
+
+  at::Tensor training_step(const fsdp::Batch& batch, int64_t) override {
+    at::Tensor loss = loss_of(batch);
+    log("train_loss", loss);  // the progress bar shows the global mean loss already
+    return loss;
+  }
+
+  at::Tensor validation_step(const fsdp::Batch& batch, int64_t) override {
+    at::Tensor loss = loss_of(batch);
+    fsdp::LogOptions o;
+    o.prog_bar = true;
+    o.sync_dist = true;
+    log("val_loss", loss, o);
+    return loss;
+  }
+
+  at::Tensor test_step(const fsdp::Batch& batch, int64_t) override {
+    at::Tensor loss = loss_of(batch);
+    fsdp::LogOptions o;
+    o.sync_dist = true;
+    log("test_loss", loss, o);
+    return loss;
+  }
+
+  fsdp::OptimizerConfig configure_optimizers() override {
+    if (optimizer_ == "adamw") {
+      return {std::make_shared<torch::optim::AdamW>(
+          parameters(), torch::optim::AdamWOptions(lr_).weight_decay(wd_))};
+    }
+    if (optimizer_ == "sgd") {
+      return {std::make_shared<torch::optim::SGD>(
+          parameters(), torch::optim::SGDOptions(lr_).weight_decay(wd_))};
+    }
+    return {std::make_shared<torch::optim::Adam>(
+        parameters(), torch::optim::AdamOptions(lr_).weight_decay(wd_))};
+  }
+
+ private:
+  at::Tensor loss_of(const fsdp::Batch& batch) {
+    at::Tensor logp = (*model_)(batch.input, batch.target);  // (B*T, vocab)
+    return at::nll_loss(logp, batch.target.reshape(-1));
+  }
+
+  ModelSpec spec_;
+  std::string optimizer_;
+  double lr_, wd_;
+  std::shared_ptr<fsdp::nn::Module> model_;
+};
+
+int64_t preset_vocab(const std::string& model) {
+  if (model == "custom") return 0;
+  return fsdp::demos::is_transformer_model(model) ? fsdp::demos::transformer_preset(model).vocab_size
+                                                  : fsdp::demos::gpt_preset(model).vocab_size;
+}
+
+struct Data {
+  std::shared_ptr<const fsdp::TokenBlockDataset> train, val;
+  int64_t vocab_size = 0;
+};
+
+Data load_data(const Args& a) {
+  Data d;
+  if (a.data == "wikitext2") {
+    auto train = std::make_shared<fsdp::demos::WikiText2>(a.data_dir, "train", a.block_size);
+    d.train = train;
+    d.vocab_size = train->vocab_size();
+    try {
+      d.val = std::make_shared<fsdp::demos::WikiText2>(a.data_dir, "valid", a.block_size);
+    } catch (const c10::Error&) {
+      // no valid.txt: train without validation
+    }
+    return d;
+  }
+  // Synthetic: a sparse Markov chain over `vocab` tokens. The vocabulary defaults to the
+  // preset's, capped at 1024 so small runs can learn the chain; --vocab-size sets it.
+  int64_t vocab = a.vocab_size > 0 ? a.vocab_size : std::min<int64_t>(preset_vocab(a.model), 1024);
+  if (vocab <= 0) vocab = 1024;
+  int64_t tokens = a.num_tokens;
+  if (tokens <= 0) {
+    // Enough that one epoch covers max_steps steps (depends only on the global batch, so runs
+    // with the same global batch over different worlds read the same corpus), at least 100k.
+    const int64_t world = int64_t(a.devices) * a.num_nodes;
+    const int64_t steps = std::max<int64_t>(a.max_steps, 0);
+    const int64_t samples = steps * a.accumulate_grad_batches * a.batch_size * world + world;
+    tokens = std::max<int64_t>(100000, (samples + 2) * a.block_size);
+  }
+  // One chain, one token stream: the first 90% trains, the rest validates (a different seed
+  // would be a different chain, which no model could predict).
+  auto corpus = std::make_shared<fsdp::demos::SyntheticCorpus>(
+      vocab, tokens + tokens / 9, a.seed, a.block_size);
+  const at::Tensor& all = corpus->tokens();
+  d.train = std::make_shared<fsdp::TokenBlockDataset>(all.narrow(0, 0, tokens), vocab,
+                                                      a.block_size);
+  d.val = std::make_shared<fsdp::TokenBlockDataset>(
+      all.narrow(0, tokens, all.numel() - tokens), vocab, a.block_size);
+  d.vocab_size = vocab;
+  return d;
+}
+
+std::string what_of(const std::exception& e) {
+  if (auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
+  return e.what();
+}
+
+int run(const Args& a, const ModelSpec& spec_in) {
+  fsdp::seed_everything(a.seed);
+
+  fsdp::TrainerOptions t;
+  t.accelerator = a.accelerator;
+  t.devices = a.devices;
+  t.num_nodes = a.num_nodes;
+  t.strategy = a.strategy;
+  t.precision = a.precision;
+  t.max_epochs = a.max_epochs;
+  t.max_steps = a.max_steps;
+  t.limit_train_batches = a.limit_train_batches;
+  t.limit_val_batches = a.limit_val_batches;
+  t.val_check_interval = a.val_check_interval;
+  t.accumulate_grad_batches = a.accumulate_grad_batches;
+  t.gradient_clip_val = a.gradient_clip_val;
+  t.log_every_n_steps = a.log_every;
+  t.enable_progress_bar = !a.no_progress_bar;
+  t.default_root_dir = a.default_root_dir;
+  t.seed = static_cast<int64_t>(a.seed);
+  t.process_group_backend = a.backend;
+  fsdp::Trainer trainer(t);  // devices > 1: the other ranks start here and run main() again
+
+  Data data = load_data(a);
+  ModelSpec spec = spec_in;
+  spec.vocab_size = data.vocab_size;
+  // Lightning's convention: batch size per rank; the Trainer strides the sampler over ranks.
+  fsdp::DataLoader train_loader(
+      data.train, a.batch_size,
+      fsdp::DistributedSampler(data.train->size(), 1, 0, /*shuffle=*/true, a.seed), true);
+  std::unique_ptr<fsdp::DataLoader> val_loader;
+  if (data.val && data.val->size() > 0) {
+    val_loader = std::make_unique<fsdp::DataLoader>(
+        data.val, a.batch_size,
+        fsdp::DistributedSampler(data.val->size(), 1, 0, /*shuffle=*/false, a.seed), true);
+  }
+
+  LanguageModel model(spec, a.optimizer, a.lr, a.weight_decay);
+  trainer.print("[fsdp-train] model " + a.model + ", vocab " + std::to_string(spec.vocab_size) +
+                ", data " + a.data + " (" + std::to_string(data.train->size()) +
+                " training blocks of " + std::to_string(a.block_size) + "), strategy " +
+                trainer.strategy()->name() + ", world " + std::to_string(trainer.world_size()) +
+                ", batch " + std::to_string(a.batch_size) + " per rank");
+  if (val_loader && val_loader->num_batches() > 0) {
+    trainer.fit(model, train_loader, *val_loader);
+  } else {
+    trainer.fit(model, train_loader);
+  }
+
+  const fsdp::FitResults& r = trainer.results();
+  if (trainer.is_global_zero() && !a.summary_json.empty()) {
+    nlohmann::json j;
+    j["strategy"] = trainer.strategy()->name();
+    j["world_size"] = trainer.world_size();
+    j["model"] = a.model;
+    j["params"] = r.params;
+    j["steps"] = r.steps;
+    j["epochs"] = r.epochs;
+    j["batch_size"] = a.batch_size;
+    j["seconds"] = r.seconds;
+    j["it_per_s"] = r.it_per_s;
+    j["it_per_s_note"] = "optimizer steps per second, first step (warm-up) excluded";
+    std::vector<double> alloc, rss;
+    for (auto b : r.peak_alloc_bytes) alloc.push_back(b / 1048576.0);
+    for (auto b : r.peak_rss_bytes) rss.push_back(b / 1048576.0);
+    j["peak_alloc_mb"] = alloc;
+    j["peak_rss_mb"] = rss;
+    j["losses"] = r.losses;
+    j["final_loss"] = r.losses.empty() ? nlohmann::json(nullptr) : nlohmann::json(r.losses.back());
+    j["metrics"] = r.metrics;
+    j["log_dir"] = r.log_dir;
+    std::ofstream f(a.summary_json);
+    TORCH_CHECK(f, "[fsdp-train] cannot write --summary-json '", a.summary_json, "'");
+    f << j.dump(2) << "\n";
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args a;
+  CLI::App app{
+      "fsdp-train: train a demo language model (Lightning's Transformer or a GPT-2) with the "
+      "fsdp.cpp Trainer.\nRanks are processes: --devices N re-executes this program N times."};
+  app.option_defaults()->always_capture_default();
+  app.get_formatter()->column_width(34);
+
+  const std::vector<std::string> models = [] {
+    auto v = fsdp::demos::model_names();
+    v.push_back("custom");
+    return v;
+  }();
+  const std::vector<std::string> strategies = [] {
+    auto v = fsdp::strategy_names();
+    v.insert(v.begin(), "auto");
+    return v;
+  }();
+
+  const auto at_least_minus_one =
+      CLI::Range(int64_t(-1), std::numeric_limits<int64_t>::max()).description(">= -1");
+
+  // Trainer
+  app.add_option("--accelerator", a.accelerator, "cpu | auto | cuda | gpu (cuda needs a CUDA build of libtorch)")
+      ->check(CLI::IsMember(fsdp::Trainer::accelerator_names()));
+  app.add_option("--devices", a.devices, "ranks (processes) per node")->check(CLI::PositiveNumber);
+  app.add_option("--num-nodes", a.num_nodes, "nodes (under SLURM/mpirun/torchrun-style env)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--strategy", a.strategy, "auto = single for one rank, ddp for more")
+      ->check(CLI::IsMember(strategies));
+  app.add_option("--precision", a.precision, "only 32-true is supported now")
+      ->check(CLI::IsMember(fsdp::Trainer::precision_names()));
+  app.add_option("--max-steps", a.max_steps, "optimizer steps to take (-1: until --max-epochs)")
+      ->check(at_least_minus_one);
+  app.add_option("--max-epochs", a.max_epochs, "epochs (-1: unlimited; 1000 if --max-steps is -1 too)")
+      ->check(at_least_minus_one);
+  app.add_option("--accumulate-grad-batches", a.accumulate_grad_batches,
+                 "micro-batches per optimizer step (loss divided by it)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--gradient-clip-val", a.gradient_clip_val, "clip to this global L2 norm (0: off)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--limit-train-batches", a.limit_train_batches,
+                 "batches per epoch: <0 all, (0,1) fraction, >=1 count");
+  app.add_option("--limit-val-batches", a.limit_val_batches,
+                 "validation batches: <0 all, 0 none, (0,1) fraction, >=1 count");
+  app.add_option("--val-check-interval", a.val_check_interval,
+                 "validate every N training batches (>=1), a fraction of the epoch (0,1), or at epoch end (0)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--log-every", a.log_every, "log_every_n_steps: CSV rows and non-terminal progress lines")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--default-root-dir", a.default_root_dir, "CSV logs go to DIR/version_N/metrics.csv");
+  app.add_option("--backend", a.backend, "process group backend (env FSDP_BACKEND when auto)")
+      ->check(CLI::IsMember({"auto", "gloo", "mpi"}));
+  app.add_flag("--no-progress-bar", a.no_progress_bar, "disable the progress bar");
+  app.add_option("--seed", a.seed, "seed for the model init, data and sampler (same on every rank)");
+  // Model
+  app.add_option("--model", a.model, "a preset or custom")->check(CLI::IsMember(models));
+  auto* o_nlayers = app.add_option("--nlayers", a.nlayers, "custom: encoder (and decoder) layers")
+                        ->check(CLI::PositiveNumber);
+  auto* o_nhid = app.add_option("--nhid", a.nhid, "custom: feed-forward width")->check(CLI::PositiveNumber);
+  auto* o_ninp = app.add_option("--ninp", a.ninp, "custom: embedding width")->check(CLI::PositiveNumber);
+  auto* o_nhead = app.add_option("--nhead", a.nhead, "custom: attention heads")->check(CLI::PositiveNumber);
+  app.add_option("--vocab-size", a.vocab_size,
+                 "synthetic data vocabulary (0: the preset's, at most 1024); wikitext2 uses its own")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--dropout", a.dropout, "dropout probability")->check(CLI::Range(0.0, 1.0));
+  // Optimizer
+  app.add_option("--optimizer", a.optimizer, "adam | adamw | sgd")
+      ->check(CLI::IsMember({"adam", "adamw", "sgd"}));
+  app.add_option("--lr", a.lr, "learning rate")->check(CLI::PositiveNumber);
+  app.add_option("--weight-decay", a.weight_decay, "weight decay")->check(CLI::NonNegativeNumber);
+  // Data
+  app.add_option("--data", a.data, "synthetic (built in, no files) | wikitext2")
+      ->check(CLI::IsMember({"synthetic", "wikitext2"}));
+  app.add_option("--data-dir", a.data_dir, "wikitext2: directory with train.txt (valid.txt optional)");
+  app.add_option("--batch-size", a.batch_size, "samples per rank per micro-batch")->check(CLI::PositiveNumber);
+  app.add_option("--block-size", a.block_size, "tokens per sample")->check(CLI::PositiveNumber);
+  app.add_option("--num-tokens", a.num_tokens,
+                 "synthetic corpus size for training (0: enough for --max-steps, at least 100000)")
+      ->check(CLI::NonNegativeNumber);
+  // Output
+  app.add_option("--summary-json", a.summary_json, "write the run summary (losses, it/s, memory) as JSON here");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp&) {
+    std::cout << app.help();
+    return 0;
+  } catch (const CLI::ParseError& e) {
+    std::string msg = e.what();
+    std::replace(msg.begin(), msg.end(), '\n', ' ');
+    std::cerr << "fsdp-train: error: " << msg << " (see fsdp-train --help)" << std::endl;
+    return 2;
+  }
+
+  ModelSpec spec;
+  spec.name = a.model;
+  spec.dropout = a.dropout;
+  for (auto* o : {o_nlayers, o_nhid, o_ninp, o_nhead}) {
+    if (o->count() > 0 && a.model != "custom") {
+      std::cerr << "fsdp-train: error: " << o->get_name() << " only applies to --model custom "
+                << "(got --model " << a.model << ")" << std::endl;
+      return 2;
+    }
+  }
+  if (a.model == "custom") {
+    if (a.ninp % a.nhead != 0) {
+      std::cerr << "fsdp-train: error: --ninp " << a.ninp << " must be divisible by --nhead "
+                << a.nhead << std::endl;
+      return 2;
+    }
+    spec.custom.nlayers = a.nlayers;
+    spec.custom.nhid = a.nhid;
+    spec.custom.ninp = a.ninp;
+    spec.custom.nhead = a.nhead;
+  }
+  if (a.max_steps < 0 && a.max_epochs < 0 && a.data == "synthetic" && a.num_tokens == 0) {
+    // Lightning would run 1000 epochs; say so rather than surprise.
+    std::cerr << "fsdp-train: note: neither --max-steps nor --max-epochs set: up to 1000 epochs"
+              << std::endl;
+  }
+
+  try {
+    return run(a, spec);
+  } catch (const std::exception& e) {
+    fsdp::fail_rank(what_of(e));
+  }
+}

@@ -1,0 +1,17 @@
+// fsdp.cpp umbrella header: everything a user of the library calls.
+//
+//   #include <fsdp/fsdp.h>
+//
+// See README and examples/train_transformer.cpp.
+#pragma once
+
+#include "fsdp/comm.h"
+#include "fsdp/data.h"
+#include "fsdp/ddp.h"
+#include "fsdp/launcher.h"
+#include "fsdp/lightning.h"
+#include "fsdp/memory.h"
+#include "fsdp/models.h"
+#include "fsdp/nn.h"
+#include "fsdp/strategy.h"
+#include "fsdp/trainer.h"

@@ -1,0 +1,191 @@
+// fsdp::Trainer — Lightning's Trainer for C++.
+//
+//   fsdp::seed_everything(42);
+//   auto data = std::make_shared<fsdp::demos::SyntheticCorpus>(...);
+//   fsdp::DataLoader train_loader(data, {.batch_size = 4});
+//   LanguageModel model(vocab_size);                     // a fsdp::LightningModule
+//   fsdp::Trainer trainer({.devices = 2, .strategy = "ddp", .max_steps = 100});
+//   trainer.fit(model, train_loader);
+//   trainer.print(fsdp::memory_summary());
+//
+// Ranks are processes (DESIGN.md §3): constructing a Trainer with devices > 1 re-executes the
+// program devices-1 times (fsdp::launch), so every rank runs main() up to this point again and
+// then the same fit(). Code before the Trainer runs once per rank; seed before it.
+//
+// Lightning conventions kept here:
+//   - batch_size is per rank: the Trainer gives the loader a DistributedSampler for its rank and
+//     world (rank r takes positions r, r+N, ... of one shared, seeded permutation), so one
+//     process with batch B*N sees at every step the samples N ranks with batch B see together.
+//   - accumulate_grad_batches = k: every micro-batch's loss is divided by k before backward and
+//     the optimizer steps every k micro-batches (non-boundary micro-batches run without gradient
+//     synchronization). max_steps counts optimizer steps; the LR scheduler steps after each.
+//   - The strategy is driven in the order documented in fsdp/strategy.h.
+#pragma once
+
+#include "fsdp/data.h"
+#include "fsdp/launcher.h"
+#include "fsdp/lightning.h"
+#include "fsdp/strategy.h"
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace fsdp {
+
+// Seeds every random source a run uses: torch's global generator (parameter init, dropout,
+// shuffling through torch), std::rand, and the seed data samplers default to. Call it before
+// building models; the same seed on every rank gives every rank the same initial parameters.
+void seed_everything(uint64_t seed);
+// The last seed given to seed_everything (0 before any call).
+uint64_t last_seed();
+
+// A strategy by name ("auto", "single", "ddp", "fsdp", ...) or an object. "auto" means
+// "single" for one rank and "ddp" for more, as Lightning's default does for DDP-capable setups.
+class StrategySpec {
+ public:
+  StrategySpec() = default;
+  StrategySpec(const char* name) : name_(name) {}               // NOLINT: implicit on purpose
+  StrategySpec(std::string name) : name_(std::move(name)) {}    // NOLINT
+  template <typename S, typename = std::enable_if_t<std::is_base_of_v<Strategy, S>>>
+  StrategySpec(std::shared_ptr<S> strategy)                      // NOLINT
+      : object_(std::move(strategy)) {}
+
+  const std::string& name() const { return name_; }
+  const StrategyPtr& object() const { return object_; }
+
+ private:
+  std::string name_ = "auto";
+  StrategyPtr object_;
+};
+
+// Field order follows Lightning's Trainer signature; designated initializers must keep it.
+struct TrainerOptions {
+  // "cpu" or "auto" (= cpu here). "cuda"/"gpu" fail: this libtorch has no CUDA, and the CUDA
+  // path is not implemented yet.
+  std::string accelerator = "cpu";
+  int devices = 1;    // ranks per node (processes on CPU)
+  int num_nodes = 1;
+  StrategySpec strategy = "auto";
+  // "32-true" (alias "32"). The mixed/low precisions ("bf16-mixed", "bf16-true", "16-mixed",
+  // "16-true", "64-true") are recognized and fail with "not supported yet".
+  std::string precision = "32-true";
+  // Stop after this many epochs / optimizer steps, whichever comes first. Both unset
+  // (-1): max_epochs = 1000, as Lightning.
+  int64_t max_epochs = -1;
+  int64_t max_steps = -1;
+  // Batches per epoch (per rank) to use: < 0 all; in (0, 1) a fraction of the epoch
+  // (at least one batch); >= 1 a count (must be a whole number); 0 disables.
+  double limit_train_batches = -1;
+  double limit_val_batches = -1;
+  // When to validate during a training epoch (when fit() got a val loader): <= 0 at the end of
+  // every epoch; in (0, 1) after that fraction of the epoch's batches; >= 1 every that many
+  // training batches (micro-batches, as Lightning).
+  double val_check_interval = 0;
+  int64_t accumulate_grad_batches = 1;
+  // > 0: clip gradients to this global L2 norm (over every rank's gradients) before each step.
+  double gradient_clip_val = 0;
+  int64_t log_every_n_steps = 50;  // CSV rows and non-terminal progress lines
+  bool enable_progress_bar = true;
+  // The CSV logger writes <default_root_dir>/version_N/metrics.csv (rank 0).
+  std::string default_root_dir = "fsdp_logs";
+  // >= 0: seed_everything(seed) before configure_model (same model on every rank).
+  int64_t seed = -1;
+  // "auto" | "gloo" | "mpi" ("auto": mpi under mpirun, else gloo). Env FSDP_BACKEND overrides
+  // "auto".
+  std::string process_group_backend = "auto";
+  bool logger = true;              // false: no CSV file
+  bool enable_summary = true;      // end-of-run summary (it/s, memory table) on rank 0
+};
+
+// What a fit() measured. Loss and memory lists are complete on global rank 0; other ranks get
+// their local loss and their own memory entry only.
+struct FitResults {
+  std::vector<double> losses;      // per optimizer step: mean training loss over micro-batches
+                                   // and ranks (global mean), as returned by training_step
+  int64_t steps = 0;               // optimizer steps taken
+  int64_t epochs = 0;              // epochs started
+  int64_t micro_batches = 0;       // training micro-batches run (per rank)
+  double seconds = 0;              // wall time of the training loop
+  double it_per_s = 0;             // optimizer steps per second, first step (warm-up) excluded
+  int64_t params = 0;              // parameter elements of the model after configure_model
+  int64_t trainable_params = 0;
+  std::vector<int64_t> peak_alloc_bytes;  // per rank: peak tensor bytes (tracking allocator)
+  std::vector<int64_t> peak_rss_bytes;    // per rank: peak resident set size
+  std::map<std::string, double> metrics;  // last value of every logged metric (rank 0 view)
+  std::string log_dir;             // the CSV logger's version_N directory ("" without)
+};
+
+// Strategy-driven configure_model: active_strategy() returns `strategy` while
+// strategy.enter_configure_model(), module.configure_model() and exit_configure_model() run.
+void configure_model_with(Strategy& strategy, LightningModule& module);
+
+class Trainer {
+ public:
+  // Launches the ranks (fsdp::launch), installs the tracking allocator, creates the world
+  // process group and connects the strategy. Throws c10::Error for a bad option.
+  explicit Trainer(TrainerOptions options = {});
+  ~Trainer();
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
+
+  void fit(LightningModule& module, DataLoader& train_loader);
+  void fit(LightningModule& module, DataLoader& train_loader, DataLoader& val_loader);
+  // Runs validation_step / test_step over the loader and returns the epoch-level metrics
+  // (mean over batches; sync_dist metrics also averaged over ranks).
+  std::map<std::string, double> validate(LightningModule& module, DataLoader& loader);
+  std::map<std::string, double> test(LightningModule& module, DataLoader& loader);
+  // predict_step outputs of this rank's batches, in order.
+  std::vector<at::Tensor> predict(LightningModule& module, DataLoader& loader);
+
+  // Prints on global rank 0 only.
+  void print(const std::string& text) const;
+
+  int global_rank() const { return launch_.rank; }
+  int local_rank() const { return launch_.local_rank; }
+  int node_rank() const { return launch_.node_rank; }
+  int world_size() const { return launch_.world_size; }
+  bool is_global_zero() const { return launch_.rank == 0; }
+  int64_t global_step() const { return global_step_; }
+  int64_t current_epoch() const { return current_epoch_; }
+
+  const TrainerOptions& options() const { return options_; }
+  const StrategyPtr& strategy() const { return strategy_; }
+  const ProcessGroupPtr& world() const { return world_; }
+  const LaunchInfo& launch_info() const { return launch_; }
+  const FitResults& results() const { return results_; }
+
+  // Names accepted by TrainerOptions::precision / accelerator.
+  static std::vector<std::string> precision_names();
+  static std::vector<std::string> accelerator_names();
+
+ private:
+  struct Impl;
+  void fit_impl(LightningModule& module, DataLoader& train_loader, DataLoader* val_loader);
+  void setup_model(LightningModule& module, bool for_training);
+  std::map<std::string, double> evaluate(LightningModule& module, DataLoader& loader,
+                                         const std::string& stage);
+
+  TrainerOptions options_;
+  LaunchInfo launch_;
+  ProcessGroupPtr world_;
+  StrategyPtr strategy_;
+  LightningModule* configured_module_ = nullptr;  // configure_model + setup_module done
+  int64_t global_step_ = 0;
+  int64_t current_epoch_ = 0;
+  FitResults results_;
+};
+
+// "single": one process, no communication; world size must be 1.
+class SingleDeviceStrategy : public Strategy {
+ public:
+  std::string name() const override { return "single"; }
+  void connect(ProcessGroupPtr world, const LaunchInfo& launch) override;
+  void setup_module(LightningModule& module) override;
+  double clip_grad_norm(LightningModule& module, double max_norm) override;
+};
+
+}  // namespace fsdp

@@ -1,0 +1,468 @@
+// fsdp::Trainer: option checks, launch, and the fit / validate / test / predict loops.
+// The strategy is driven exactly in the order of the comment at the top of fsdp/strategy.h.
+#include "fsdp/trainer.h"
+
+#include "fsdp/comm.h"
+#include "fsdp/memory.h"
+#include "train/csv_logger.h"
+#include "train/metrics.h"
+#include "train/progress_bar.h"
+
+#include <c10/util/Exception.h>
+#include <torch/cuda.h>
+#include <torch/utils.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <iomanip>
+#include <iostream>
+#include <sstream>
+
+namespace fsdp {
+namespace {
+
+uint64_t g_last_seed = 0;
+
+const std::vector<std::string> kSupportedPrecisions = {"32-true", "32"};
+const std::vector<std::string> kLaterPrecisions = {"bf16-mixed", "bf16-true", "16-mixed",
+                                                   "16-true", "64-true", "64"};
+const std::vector<std::string> kAccelerators = {"cpu", "auto", "cuda", "gpu"};
+
+std::string join(const std::vector<std::string>& names) {
+  std::string s;
+  for (const auto& n : names) s += (s.empty() ? "'" : ", '") + n + "'";
+  return s;
+}
+
+bool contains(const std::vector<std::string>& v, const std::string& x) {
+  return std::find(v.begin(), v.end(), x) != v.end();
+}
+
+void check_precision(const std::string& p) {
+  if (contains(kSupportedPrecisions, p)) return;
+  if (contains(kLaterPrecisions, p)) {
+    const bool fp16 = p.rfind("16-", 0) == 0;
+    TORCH_CHECK(false, "[Trainer] precision '", p,
+                "' is not supported yet: this version trains in '32-true' only (mixed and "
+                "low precision come in a later release). Use precision='32-true' "
+                "(--precision 32-true).",
+                fp16 ? " Note: fp16 matmul is not implemented on CPU in libtorch 1.13; "
+                       "on CPU use 'bf16-mixed' once it is available."
+                     : "");
+  }
+  std::vector<std::string> all = kSupportedPrecisions;
+  all.insert(all.end(), kLaterPrecisions.begin(), kLaterPrecisions.end());
+  TORCH_CHECK(false, "[Trainer] unknown precision '", p, "'; valid values: ", join(all),
+              " (supported now: '32-true')");
+}
+
+void check_accelerator(const std::string& a) {
+  if (a == "cpu" || a == "auto") return;
+  if (a == "cuda" || a == "gpu") {
+    TORCH_CHECK(torch::cuda::is_available(), "[Trainer] accelerator '", a,
+                "' needs a CUDA build of libtorch and a visible GPU, but "
+                "torch::cuda::is_available() is false (this libtorch is CPU-only or no GPU is "
+                "visible). Use accelerator='cpu' (--accelerator cpu).");
+    TORCH_CHECK(false, "[Trainer] accelerator '", a,
+                "': CUDA devices are detected, but the CUDA path of fsdp.cpp is not implemented "
+                "yet. Use accelerator='cpu'.");
+  }
+  TORCH_CHECK(false, "[Trainer] unknown accelerator '", a, "'; valid values: ",
+              join(kAccelerators));
+}
+
+void check_limit(const char* name, double v) {
+  TORCH_CHECK(std::isfinite(v), "[Trainer] ", name, " must be a finite number, got ", v);
+  if (v >= 1) {
+    TORCH_CHECK(v == std::floor(v), "[Trainer] ", name, " = ", v,
+                ": values >= 1 are batch counts and must be whole numbers; use a value in "
+                "(0, 1) for a fraction of the epoch");
+  }
+}
+
+std::string resolve_backend(const std::string& option) {
+  std::string b = option;
+  if (b == "auto") {
+    const char* env = std::getenv("FSDP_BACKEND");
+    if (env && *env) b = env;
+  }
+  TORCH_CHECK(b == "auto" || b == "gloo" || b == "mpi", "[Trainer] unknown process group backend '",
+              b, "'", option == "auto" ? " (from env FSDP_BACKEND)" : "",
+              "; valid values: 'auto', 'gloo', 'mpi'");
+  return b;
+}
+
+void check_options(const TrainerOptions& o) {
+  check_accelerator(o.accelerator);
+  check_precision(o.precision);
+  TORCH_CHECK(o.devices >= 1, "[Trainer] devices must be >= 1, got ", o.devices);
+  TORCH_CHECK(o.num_nodes >= 1, "[Trainer] num_nodes must be >= 1, got ", o.num_nodes);
+  TORCH_CHECK(o.max_epochs >= -1, "[Trainer] max_epochs must be >= 0 (or -1 for unset), got ",
+              o.max_epochs);
+  TORCH_CHECK(o.max_steps >= -1, "[Trainer] max_steps must be >= 0 (or -1 for unset), got ",
+              o.max_steps);
+  TORCH_CHECK(o.accumulate_grad_batches >= 1,
+              "[Trainer] accumulate_grad_batches must be >= 1, got ", o.accumulate_grad_batches);
+  TORCH_CHECK(std::isfinite(o.gradient_clip_val) && o.gradient_clip_val >= 0,
+              "[Trainer] gradient_clip_val must be >= 0 (0 = no clipping), got ",
+              o.gradient_clip_val);
+  TORCH_CHECK(o.log_every_n_steps >= 1, "[Trainer] log_every_n_steps must be >= 1, got ",
+              o.log_every_n_steps);
+  check_limit("limit_train_batches", o.limit_train_batches);
+  check_limit("limit_val_batches", o.limit_val_batches);
+  check_limit("val_check_interval", o.val_check_interval);
+  const std::string& s = o.strategy.name();
+  if (!o.strategy.object() && s != "auto" && !contains(strategy_names(), s)) {
+    make_strategy(s);  // throws the registry's error, which lists the valid names
+  }
+}
+
+// Batches of an epoch to use given a limit (see TrainerOptions::limit_train_batches).
+int64_t limited_batches(int64_t available, double limit) {
+  if (limit < 0) return available;
+  if (limit == 0) return 0;
+  if (limit < 1) return std::max<int64_t>(1, static_cast<int64_t>(available * limit));
+  return std::min<int64_t>(available, static_cast<int64_t>(limit));
+}
+
+// Lightning's convention: batch size is per rank, and each rank reads its own stride of one
+// shared permutation. A loader whose sampler was built for another world/rank (typically the
+// default world 1) gets an equivalent sampler for this rank. See Note [Sampler striding].
+void distribute(DataLoader& loader, int world, int rank) {
+  const DistributedSampler& s = loader.sampler();
+  if (s.world() == world && s.rank() == rank) return;
+  TORCH_CHECK(s.world() == 1, "[Trainer] the data loader's sampler is set up for world ",
+              s.world(), " rank ", s.rank(), ", but this run has world ", world, " rank ", rank,
+              "; build the loader with DistributedSampler(size, 1, 0, ...) and let the "
+              "Trainer distribute it");
+  DistributedSampler sampler(s.dataset_size(), world, rank, s.shuffle(), s.seed(),
+                             s.drop_last());
+  sampler.set_epoch(s.epoch());
+  loader = DataLoader(loader.dataset(), loader.batch_size(), sampler, loader.drop_last());
+}
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+}  // namespace
+
+void seed_everything(uint64_t seed) {
+  torch::manual_seed(seed);
+  std::srand(static_cast<unsigned>(seed));
+  g_last_seed = seed;
+}
+
+uint64_t last_seed() { return g_last_seed; }
+
+std::vector<std::string> Trainer::precision_names() {
+  std::vector<std::string> all = kSupportedPrecisions;
+  all.insert(all.end(), kLaterPrecisions.begin(), kLaterPrecisions.end());
+  return all;
+}
+
+std::vector<std::string> Trainer::accelerator_names() { return kAccelerators; }
+
+Trainer::Trainer(TrainerOptions options) : options_(std::move(options)) {
+  // Checked before launching, so a bad option fails once in the parent, not in every rank.
+  check_options(options_);
+  const std::string backend = resolve_backend(options_.process_group_backend);
+
+  LaunchOptions lo;
+  lo.devices = options_.devices;
+  lo.num_nodes = options_.num_nodes;
+  lo.backend = backend;
+  launch_ = launch(lo);  // devices > 1: from here on this code runs in every rank
+  install_tracking_allocator();
+  world_ = world_group();
+  if (!world_) {
+    ProcessGroupOptions pgo;
+    pgo.backend = backend;
+    world_ = init_process_group(pgo);
+  }
+  TORCH_CHECK(world_->size() == launch_.world_size, "[Trainer] the world process group has ",
+              world_->size(), " ranks but this run asks for ", launch_.world_size,
+              " (devices x num_nodes); one process can hold one world: create one Trainer per "
+              "program, or Trainers with the same devices/num_nodes");
+
+  if (options_.strategy.object()) {
+    strategy_ = options_.strategy.object();
+  } else {
+    std::string name = options_.strategy.name();
+    if (name == "auto") name = world_->size() > 1 ? "ddp" : "single";
+    strategy_ = make_strategy(name);
+  }
+  strategy_->connect(world_, launch_);
+}
+
+Trainer::~Trainer() = default;
+
+void Trainer::print(const std::string& text) const {
+  if (!is_global_zero()) return;
+  std::cout << text << (text.empty() || text.back() != '\n' ? "\n" : "") << std::flush;
+}
+
+void Trainer::setup_model(LightningModule& module, bool for_training) {
+  module.attach_trainer(this);
+  if (configured_module_ == &module) return;
+  if (options_.seed >= 0) seed_everything(static_cast<uint64_t>(options_.seed));
+  configure_model_with(*strategy_, module);
+  int64_t params = 0, trainable = 0;
+  for (const auto& p : module.parameters()) {
+    params += p.numel();
+    if (p.requires_grad()) trainable += p.numel();
+  }
+  results_.params = params;
+  results_.trainable_params = trainable;
+  strategy_->setup_module(module);
+  configured_module_ = &module;
+}
+
+void Trainer::fit(LightningModule& module, DataLoader& train_loader) {
+  fit_impl(module, train_loader, nullptr);
+}
+
+void Trainer::fit(LightningModule& module, DataLoader& train_loader, DataLoader& val_loader) {
+  fit_impl(module, train_loader, &val_loader);
+}
+
+void Trainer::fit_impl(LightningModule& module, DataLoader& train_loader,
+                       DataLoader* val_loader) {
+  const TrainerOptions& o = options_;
+  results_ = FitResults{};
+  global_step_ = 0;
+  current_epoch_ = 0;
+
+  setup_model(module, /*for_training=*/true);
+  OptimizerConfig opt = module.configure_optimizers();
+  TORCH_CHECK(opt.optimizer, "[Trainer.fit] configure_optimizers() returned no optimizer; "
+              "return {std::make_shared<torch::optim::Adam>(parameters(), ...)}");
+  strategy_->setup_optimizer(*opt.optimizer);
+
+  distribute(train_loader, world_size(), global_rank());
+  if (val_loader) distribute(*val_loader, world_size(), global_rank());
+
+  const int64_t k = o.accumulate_grad_batches;
+  const int64_t batches_per_epoch = limited_batches(train_loader.num_batches(),
+                                                    o.limit_train_batches);
+  // Lightning steps at the last batch of an epoch even when fewer than k were accumulated.
+  const int64_t steps_per_epoch = (batches_per_epoch + k - 1) / k;
+  const int64_t max_epochs = (o.max_epochs < 0 && o.max_steps < 0) ? 1000 : o.max_epochs;
+  int64_t total_steps = -1;
+  if (o.max_steps >= 0) total_steps = o.max_steps;
+  if (max_epochs >= 0) {
+    const int64_t by_epochs = max_epochs * steps_per_epoch;
+    total_steps = total_steps < 0 ? by_epochs : std::min(total_steps, by_epochs);
+  }
+  TORCH_CHECK(batches_per_epoch > 0 || total_steps == 0,
+              "[Trainer.fit] the training loader yields no batches on rank ", global_rank(),
+              " (num_batches ", train_loader.num_batches(), ", limit_train_batches ",
+              o.limit_train_batches, "); give the dataset more samples or a smaller batch size");
+
+  int64_t val_every = 0;  // validate after every val_every training batches (0: epoch end)
+  if (o.val_check_interval >= 1) {
+    val_every = static_cast<int64_t>(o.val_check_interval);
+  } else if (o.val_check_interval > 0) {
+    val_every = std::max<int64_t>(1, static_cast<int64_t>(batches_per_epoch *
+                                                          o.val_check_interval));
+  }
+  const bool run_val = val_loader != nullptr && o.limit_val_batches != 0;
+
+  std::unique_ptr<detail::CsvLogger> csv;
+  if (is_global_zero() && o.logger) {
+    csv = std::make_unique<detail::CsvLogger>(o.default_root_dir);
+    results_.log_dir = csv->dir();
+  }
+  std::unique_ptr<detail::ProgressBar> bar;
+  if (is_global_zero() && o.enable_progress_bar) {
+    bar = std::make_unique<detail::ProgressBar>(
+        std::cout, detail::ProgressBar::stdout_is_terminal(), total_steps, o.log_every_n_steps);
+  }
+  detail::MetricTracker metrics(*strategy_);
+
+  auto validate_now = [&] {
+    auto val = evaluate(module, *val_loader, "val");
+    module.on_validation_epoch_end();
+    module.train();
+    if (csv && !val.empty()) csv->log(global_step_, current_epoch_, val);
+    for (const auto& kv : val) results_.metrics[kv.first] = kv.second;
+    metrics.set_progress_bar_extra(val);
+  };
+
+  module.train();
+  module.on_fit_start();
+  module.on_train_start();
+
+  const auto loop_start = Clock::now();
+  Clock::time_point first_step_done;
+  bool stop = total_steps == 0;
+  for (int64_t epoch = 0; !stop && (max_epochs < 0 || epoch < max_epochs); ++epoch) {
+    current_epoch_ = epoch;
+    results_.epochs = epoch + 1;
+    train_loader.set_epoch(epoch);
+    module.on_train_epoch_start();
+    metrics.start_epoch();
+    double loss_sum = 0;  // this rank's undivided training losses since the last step
+    int64_t loss_count = 0;
+
+    for (int64_t batch_idx = 0; batch_idx < batches_per_epoch; ++batch_idx) {
+      const bool last_batch = batch_idx + 1 == batches_per_epoch;
+      const bool boundary = (batch_idx + 1) % k == 0 || last_batch;
+      const Batch batch = train_loader.batch(batch_idx);
+
+      // --- one micro-batch (strategy.h call order).
+      strategy_->pre_forward(module, /*sync=*/boundary);
+      module.logged().clear();
+      at::Tensor loss = module.training_step(batch, batch_idx);
+      TORCH_CHECK(loss.defined() && loss.numel() == 1,
+                  "[Trainer.fit] training_step must return the scalar loss (got ",
+                  loss.defined() ? "a tensor of shape " + c10::str(loss.sizes())
+                                 : std::string("an undefined tensor"),
+                  ") at epoch ", epoch, " batch ", batch_idx);
+      TORCH_CHECK(loss.requires_grad(), "[Trainer.fit] the loss returned by training_step at "
+                  "batch ", batch_idx, " does not require grad: it is not connected to any "
+                  "trainable parameter (was it computed under NoGradGuard or detached?)");
+      strategy_->backward(k > 1 ? loss / static_cast<double>(k) : loss);
+      strategy_->post_backward(module, /*sync=*/boundary);
+      loss_sum += loss.detach().item<double>();
+      ++loss_count;
+      ++results_.micro_batches;
+      metrics.collect_training(module.logged());
+
+      if (boundary) {
+        // --- one optimizer step.
+        module.on_before_optimizer_step(*opt.optimizer);
+        if (o.gradient_clip_val > 0) strategy_->clip_grad_norm(module, o.gradient_clip_val);
+        strategy_->optimizer_step(*opt.optimizer);
+        strategy_->zero_grad(*opt.optimizer);
+        if (opt.scheduler) opt.scheduler->step();
+        ++global_step_;
+        if (global_step_ == 1) first_step_done = Clock::now();
+
+        // The only per-step collective: the mean loss (and sync_dist step metrics) over ranks.
+        const bool log_now = global_step_ % o.log_every_n_steps == 0;
+        const double global_loss = metrics.finish_step(loss_sum / loss_count);
+        loss_sum = 0;
+        loss_count = 0;
+        results_.losses.push_back(global_loss);
+        results_.steps = global_step_;
+        if (bar) bar->update(global_step_, epoch, global_loss, metrics.progress_bar_values());
+        if (csv && log_now) {
+          auto row = metrics.step_values();
+          if (!row.empty()) csv->log(global_step_, epoch, row);
+        }
+        if (total_steps >= 0 && global_step_ >= total_steps) stop = true;
+      }
+
+      if (run_val && ((val_every > 0 && (batch_idx + 1) % val_every == 0) ||
+                      (val_every == 0 && last_batch))) {
+        validate_now();
+      }
+      if (stop) break;
+    }
+
+    auto epoch_values = metrics.finish_epoch();
+    if (csv && !epoch_values.empty()) csv->log(global_step_, epoch, epoch_values);
+    for (const auto& kv : epoch_values) results_.metrics[kv.first] = kv.second;
+    module.on_train_epoch_end();
+  }
+  module.on_train_end();
+  if (bar) bar->finish();
+
+  results_.seconds = seconds_since(loop_start);
+  if (global_step_ > 1) {
+    results_.it_per_s = (global_step_ - 1) / std::max(1e-9, seconds_since(first_step_done));
+  } else if (global_step_ == 1) {
+    results_.it_per_s = 1.0 / std::max(1e-9, results_.seconds);
+  }
+  for (const auto& kv : metrics.last_values()) {
+    if (!results_.metrics.count(kv.first)) results_.metrics[kv.first] = kv.second;
+  }
+
+  // Collective on every rank: memory per rank.
+  RankMemory mem = gather_memory(*world_);
+  results_.peak_alloc_bytes = mem.peak_bytes;
+  results_.peak_rss_bytes = mem.peak_rss_bytes;
+  if (o.enable_summary) {
+    std::string table = memory_summary(*world_);
+    if (is_global_zero()) {
+      std::ostringstream os;
+      os << std::fixed << std::setprecision(2) << "[fsdp] fit done: " << global_step_
+         << " steps, " << results_.epochs << " epoch(s), " << results_.seconds << " s; "
+         << results_.it_per_s << " it/s ("
+         << (global_step_ > 1 ? "steps 2.." + std::to_string(global_step_) +
+                                    "; step 1 is warm-up and excluded"
+                              : std::string("one step, warm-up included"))
+         << "); strategy " << strategy_->name() << ", world " << world_size() << ", "
+         << results_.params << " parameters";
+      if (!results_.losses.empty()) {
+        os << std::setprecision(4) << ", final loss " << results_.losses.back();
+      }
+      os << "\n" << table;
+      print(os.str());
+    }
+  }
+}
+
+std::map<std::string, double> Trainer::validate(LightningModule& module, DataLoader& loader) {
+  setup_model(module, /*for_training=*/false);
+  distribute(loader, world_size(), global_rank());
+  auto out = evaluate(module, loader, "val");
+  module.on_validation_epoch_end();
+  return out;
+}
+
+std::map<std::string, double> Trainer::test(LightningModule& module, DataLoader& loader) {
+  setup_model(module, /*for_training=*/false);
+  distribute(loader, world_size(), global_rank());
+  return evaluate(module, loader, "test");
+}
+
+std::map<std::string, double> Trainer::evaluate(LightningModule& module, DataLoader& loader,
+                                                const std::string& stage) {
+  const bool was_training = module.is_training();
+  module.eval();
+  torch::NoGradGuard no_grad;
+  const int64_t n = stage == "val" ? limited_batches(loader.num_batches(), options_.limit_val_batches)
+                                   : loader.num_batches();
+  detail::MetricTracker metrics(*strategy_);
+  metrics.start_epoch();
+  for (int64_t i = 0; i < n; ++i) {
+    const Batch batch = loader.batch(i);
+    strategy_->pre_forward(module, /*sync=*/false);
+    module.logged().clear();
+    if (stage == "val") {
+      module.validation_step(batch, i);
+    } else {
+      module.test_step(batch, i);
+    }
+    strategy_->post_eval_step(module);
+    metrics.collect_eval(module.logged());
+  }
+  auto out = metrics.finish_epoch();
+  if (was_training) module.train();
+  return out;
+}
+
+std::vector<at::Tensor> Trainer::predict(LightningModule& module, DataLoader& loader) {
+  setup_model(module, /*for_training=*/false);
+  distribute(loader, world_size(), global_rank());
+  const bool was_training = module.is_training();
+  module.eval();
+  torch::NoGradGuard no_grad;
+  std::vector<at::Tensor> outputs;
+  for (int64_t i = 0; i < loader.num_batches(); ++i) {
+    const Batch batch = loader.batch(i);
+    strategy_->pre_forward(module, /*sync=*/false);
+    at::Tensor out = module.predict_step(batch, i);
+    strategy_->post_eval_step(module);
+    outputs.push_back(out.defined() ? out.detach() : out);
+  }
+  if (was_training) module.train();
+  return outputs;
+}
+
+}  // namespace fsdp

@@ -1,0 +1,438 @@
+// Trainer, single process: the loop against a hand-written libtorch loop, accumulation,
+// clipping, limits, validation, CSV logging, option errors, the strategy registry.
+#include <gtest/gtest.h>
+
+#include "fsdp/fsdp.h"
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <sstream>
+
+namespace {
+namespace fs = std::filesystem;
+
+constexpr int64_t kVocab = 32;
+constexpr int64_t kBlock = 8;
+
+// A tiny language model: embedding -> linear -> log_softmax. Fast enough to take many steps.
+struct TinyLM : fsdp::LightningModule {
+  double lr = 0.05;
+  std::string optimizer = "adam";
+  int configure_calls = 0;
+  std::function<void(torch::optim::Optimizer&)> before_step;
+  torch::nn::Embedding emb{nullptr};
+  torch::nn::Linear head{nullptr};
+
+  void configure_model() override {
+    ++configure_calls;
+    if (emb) return;
+    emb = register_module("emb", torch::nn::Embedding(kVocab, 16));
+    head = register_module("head", torch::nn::Linear(16, kVocab));
+  }
+  at::Tensor loss_of(const fsdp::Batch& b) {
+    at::Tensor logp = at::log_softmax(head(emb(b.input)), -1).reshape({-1, kVocab});
+    return at::nll_loss(logp, b.target.reshape(-1));
+  }
+  at::Tensor training_step(const fsdp::Batch& b, int64_t) override {
+    at::Tensor loss = loss_of(b);
+    fsdp::LogOptions o;
+    o.prog_bar = true;
+    log("train_loss", loss, o);
+    log("tokens", static_cast<double>(b.input.numel()));
+    return loss;
+  }
+  at::Tensor validation_step(const fsdp::Batch& b, int64_t) override {
+    at::Tensor loss = loss_of(b);
+    log("val_loss", loss);
+    return loss;
+  }
+  fsdp::OptimizerConfig configure_optimizers() override {
+    if (optimizer == "sgd") {
+      return {std::make_shared<torch::optim::SGD>(parameters(), torch::optim::SGDOptions(lr))};
+    }
+    return {std::make_shared<torch::optim::Adam>(parameters(), torch::optim::AdamOptions(lr))};
+  }
+  void on_before_optimizer_step(torch::optim::Optimizer& o) override {
+    if (before_step) before_step(o);
+  }
+};
+
+std::shared_ptr<fsdp::demos::SyntheticCorpus> corpus(int64_t tokens = 20000) {
+  return std::make_shared<fsdp::demos::SyntheticCorpus>(kVocab, tokens, /*seed=*/1, kBlock);
+}
+
+fsdp::DataLoader loader(const fsdp::DatasetPtr& data, int64_t batch = 4, bool shuffle = true) {
+  return fsdp::DataLoader(data, batch,
+                          fsdp::DistributedSampler(data->size(), 1, 0, shuffle, /*seed=*/3),
+                          /*drop_last=*/true);
+}
+
+std::string temp_dir(const std::string& name) {
+  fs::path p = fs::temp_directory_path() /
+               ("fsdp_test_trainer_" + name + "_" + std::to_string(::getpid()));
+  fs::remove_all(p);
+  return p.string();
+}
+
+fsdp::TrainerOptions quiet_options(const std::string& name) {
+  fsdp::TrainerOptions o;
+  o.enable_progress_bar = false;
+  o.enable_summary = false;
+  o.default_root_dir = temp_dir(name);
+  o.seed = 5;
+  return o;
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "";
+}
+
+TEST(Trainer, FitRunsMaxStepsAndRecordsFiniteLosses) {
+  auto data = corpus();
+  auto train = loader(data);
+  TinyLM model;
+  auto o = quiet_options("max_steps");
+  o.max_steps = 7;
+  fsdp::Trainer trainer(o);
+  EXPECT_EQ(trainer.strategy()->name(), "single");  // "auto" with one rank
+  EXPECT_EQ(trainer.world_size(), 1);
+  EXPECT_TRUE(trainer.is_global_zero());
+  trainer.fit(model, train);
+  const auto& r = trainer.results();
+  EXPECT_EQ(r.steps, 7);
+  EXPECT_EQ(trainer.global_step(), 7);
+  ASSERT_EQ(r.losses.size(), 7u);
+  for (double l : r.losses) EXPECT_TRUE(std::isfinite(l));
+  EXPECT_EQ(r.params, kVocab * 16 + 16 * kVocab + kVocab);
+  EXPECT_GT(r.it_per_s, 0);
+  ASSERT_EQ(r.peak_alloc_bytes.size(), 1u);
+  EXPECT_GT(r.peak_alloc_bytes[0], 0);
+  EXPECT_EQ(model.configure_calls, 1);
+  EXPECT_EQ(model.trainer(), &trainer);
+}
+
+// The Trainer with accumulate_grad_batches = k must equal the textbook loop: every micro-batch's
+// loss divided by k before backward, one optimizer step per k micro-batches.
+TEST(Trainer, AccumulateGradBatchesMatchesHandWrittenLoop) {
+  constexpr int64_t k = 3, steps = 4;
+  auto data = corpus();
+
+  TinyLM model;
+  {
+    auto train = loader(data);
+    auto o = quiet_options("accumulate");
+    o.max_steps = steps;
+    o.accumulate_grad_batches = k;
+    fsdp::Trainer trainer(o);
+    trainer.fit(model, train);
+    EXPECT_EQ(trainer.results().micro_batches, k * steps);
+  }
+
+  TinyLM ref;
+  fsdp::seed_everything(5);  // what the Trainer does before configure_model (seed = 5)
+  ref.configure_model();
+  auto opt = ref.configure_optimizers().optimizer;
+  auto ref_loader = loader(data);
+  ref_loader.set_epoch(0);
+  std::vector<double> ref_losses;
+  for (int64_t s = 0; s < steps; ++s) {
+    double sum = 0;
+    for (int64_t j = 0; j < k; ++j) {
+      at::Tensor loss = ref.loss_of(ref_loader.batch(s * k + j));
+      (loss / static_cast<double>(k)).backward();
+      sum += loss.item<double>();
+    }
+    opt->step();
+    opt->zero_grad();
+    ref_losses.push_back(sum / k);
+  }
+
+  auto p = model.named_parameters();
+  auto q = ref.named_parameters();
+  ASSERT_EQ(p.size(), q.size());
+  for (const auto& kv : p) {
+    EXPECT_TRUE(at::allclose(kv.value(), q[kv.key()], 1e-6, 1e-7)) << kv.key();
+  }
+}
+
+TEST(Trainer, AccumulatedLossesEqualHandWrittenLoop) {
+  constexpr int64_t k = 2, steps = 3;
+  auto data = corpus();
+  TinyLM model;
+  auto train = loader(data);
+  auto o = quiet_options("accumulate_losses");
+  o.max_steps = steps;
+  o.accumulate_grad_batches = k;
+  fsdp::Trainer trainer(o);
+  trainer.fit(model, train);
+  const auto losses = trainer.results().losses;
+
+  TinyLM ref;
+  fsdp::seed_everything(5);
+  ref.configure_model();
+  auto opt = ref.configure_optimizers().optimizer;
+  auto ref_loader = loader(data);
+  ASSERT_EQ(losses.size(), static_cast<size_t>(steps));
+  for (int64_t s = 0; s < steps; ++s) {
+    double sum = 0;
+    for (int64_t j = 0; j < k; ++j) {
+      at::Tensor loss = ref.loss_of(ref_loader.batch(s * k + j));
+      (loss / static_cast<double>(k)).backward();
+      sum += loss.item<double>();
+    }
+    opt->step();
+    opt->zero_grad();
+    EXPECT_NEAR(losses[s], sum / k, 1e-6 * std::abs(sum / k)) << "step " << s;
+  }
+}
+
+// With plain SGD (lr 1) the update is minus the clipped gradient: its norm must be the clip
+// value and its direction the unclipped gradient's.
+TEST(Trainer, GradientClippingClipsToTheGlobalNorm) {
+  auto data = corpus();
+  auto train = loader(data);
+  TinyLM model;
+  model.optimizer = "sgd";
+  model.lr = 1.0;
+  const double clip = 0.05;
+  std::vector<at::Tensor> before, grads;
+  double unclipped_norm = 0;
+  model.before_step = [&](torch::optim::Optimizer&) {
+    double sq = 0;
+    for (auto& p : model.parameters()) {
+      before.push_back(p.detach().clone());
+      grads.push_back(p.grad().detach().clone());
+      sq += p.grad().pow(2).sum().item<double>();
+    }
+    unclipped_norm = std::sqrt(sq);
+  };
+  auto o = quiet_options("clip");
+  o.max_steps = 1;
+  o.gradient_clip_val = clip;
+  fsdp::Trainer trainer(o);
+  trainer.fit(model, train);
+
+  ASSERT_GT(unclipped_norm, 4 * clip) << unclipped_norm;  // the test only means something if clipping happens
+  double delta_sq = 0;
+  auto params = model.parameters();
+  for (size_t i = 0; i < params.size(); ++i) {
+    at::Tensor delta = before[i] - params[i].detach();
+    delta_sq += delta.pow(2).sum().item<double>();
+    // atol: the update is read back as a difference of fp32 parameters of magnitude ~1.
+    EXPECT_TRUE(at::allclose(delta, grads[i] * (clip / unclipped_norm), 1e-3, 1e-6));
+  }
+  EXPECT_NEAR(std::sqrt(delta_sq), clip, 1e-3 * clip);
+}
+
+TEST(Trainer, LimitTrainBatchesAndMaxEpochs) {
+  auto data = corpus();
+  auto train = loader(data);
+  TinyLM model;
+  auto o = quiet_options("limit");
+  o.max_epochs = 2;
+  o.limit_train_batches = 3;
+  fsdp::Trainer trainer(o);
+  trainer.fit(model, train);
+  EXPECT_EQ(trainer.results().epochs, 2);
+  EXPECT_EQ(trainer.results().steps, 6);
+  EXPECT_EQ(trainer.results().micro_batches, 6);
+
+  // Accumulation across an epoch boundary: 5 batches per epoch, k = 2 -> steps at batches
+  // 2, 4 and the epoch's last one (Lightning steps at the end of an epoch).
+  TinyLM model2;
+  auto o2 = quiet_options("limit_acc");
+  o2.max_epochs = 2;
+  o2.limit_train_batches = 5;
+  o2.accumulate_grad_batches = 2;
+  fsdp::Trainer trainer2(o2);
+  trainer2.fit(model2, train);
+  EXPECT_EQ(trainer2.results().steps, 6);
+  EXPECT_EQ(trainer2.results().micro_batches, 10);
+}
+
+TEST(Trainer, ValidateReturnsTheMeanOfLoggedMetrics) {
+  auto data = corpus();
+  auto val = loader(data, 4, /*shuffle=*/false);
+  TinyLM model;
+  auto o = quiet_options("validate");
+  o.limit_val_batches = 5;
+  fsdp::Trainer trainer(o);
+  auto metrics = trainer.validate(model, val);
+  ASSERT_EQ(metrics.count("val_loss"), 1u);
+
+  torch::NoGradGuard g;
+  double sum = 0;
+  for (int i = 0; i < 5; ++i) sum += model.loss_of(val.batch(i)).item<double>();
+  EXPECT_NEAR(metrics["val_loss"], sum / 5, 1e-6);
+  EXPECT_TRUE(model.is_training());  // validate restores the mode it found
+}
+
+TEST(Trainer, FitValidatesAtTheConfiguredInterval) {
+  auto data = corpus();
+  auto train = loader(data);
+  auto val = loader(data, 4, false);
+  TinyLM model;
+  auto o = quiet_options("val_interval");
+  o.max_steps = 4;
+  o.val_check_interval = 2;
+  o.limit_val_batches = 2;
+  o.log_every_n_steps = 1;
+  fsdp::Trainer trainer(o);
+  trainer.fit(model, train, val);
+  const auto& r = trainer.results();
+  ASSERT_EQ(r.metrics.count("val_loss"), 1u);
+  std::ifstream f(r.log_dir + "/metrics.csv");
+  std::string line;
+  int val_rows = 0;
+  std::getline(f, line);
+  std::vector<std::string> cols;
+  {
+    std::stringstream ss(line);
+    std::string c;
+    while (std::getline(ss, c, ',')) cols.push_back(c);
+  }
+  auto col = std::find(cols.begin(), cols.end(), "val_loss") - cols.begin();
+  ASSERT_LT(col, static_cast<long>(cols.size()));
+  while (std::getline(f, line)) {
+    std::vector<std::string> cells;
+    std::stringstream ss(line);
+    std::string c;
+    while (std::getline(ss, c, ',')) cells.push_back(c);
+    if (static_cast<long>(cells.size()) > col && !cells[col].empty()) ++val_rows;
+  }
+  EXPECT_EQ(val_rows, 2);  // after training batches 2 and 4
+}
+
+TEST(Trainer, CsvLoggerWritesLoggedColumnsInNewVersions) {
+  auto data = corpus();
+  auto train = loader(data);
+  auto o = quiet_options("csv");
+  o.max_steps = 6;
+  o.log_every_n_steps = 2;
+  std::string first_dir;
+  for (int run = 0; run < 2; ++run) {
+    TinyLM model;
+    fsdp::Trainer trainer(o);
+    trainer.fit(model, train);
+    const std::string dir = trainer.results().log_dir;
+    EXPECT_EQ(fs::path(dir).filename().string(), "version_" + std::to_string(run));
+    std::ifstream f(dir + "/metrics.csv");
+    ASSERT_TRUE(f) << dir;
+    std::string header;
+    std::getline(f, header);
+    EXPECT_EQ(header, "step,epoch,tokens,train_loss");
+    std::vector<std::string> rows;
+    for (std::string line; std::getline(f, line);) rows.push_back(line);
+    ASSERT_EQ(rows.size(), 3u);  // steps 2, 4, 6
+    EXPECT_EQ(rows[0].rfind("2,0,32,", 0), 0u) << rows[0];
+    // The logged train_loss at step 6 is the last micro-batch's loss there.
+    double logged = std::stod(rows[2].substr(rows[2].rfind(',') + 1));
+    EXPECT_NEAR(logged, trainer.results().losses[5], 1e-6);
+  }
+}
+
+TEST(Trainer, ConfigureModelRunsUnderTheActiveStrategy) {
+  struct Probe : TinyLM {
+    fsdp::Strategy* seen = nullptr;
+    void configure_model() override {
+      seen = fsdp::active_strategy();
+      TinyLM::configure_model();
+    }
+  };
+  auto data = corpus();
+  auto train = loader(data);
+  Probe model;
+  auto o = quiet_options("active");
+  o.max_steps = 1;
+  fsdp::Trainer trainer(o);
+  EXPECT_EQ(fsdp::active_strategy(), nullptr);
+  trainer.fit(model, train);
+  EXPECT_EQ(model.seen, trainer.strategy().get());
+  EXPECT_EQ(fsdp::active_strategy(), nullptr);
+}
+
+TEST(Trainer, UnsupportedPrecisionAndAcceleratorFailClearly) {
+  auto with = [](auto set) {
+    return error_of([&] {
+      fsdp::TrainerOptions o;
+      set(o);
+      fsdp::Trainer t(o);
+    });
+  };
+  for (const char* p : {"bf16-mixed", "bf16-true", "16-mixed", "16-true"}) {
+    std::string e = with([&](fsdp::TrainerOptions& o) { o.precision = p; });
+    EXPECT_NE(e.find("not supported yet"), std::string::npos) << e;
+    EXPECT_NE(e.find("32-true"), std::string::npos) << e;
+  }
+  std::string e = with([](fsdp::TrainerOptions& o) { o.precision = "bf17"; });
+  EXPECT_NE(e.find("unknown precision 'bf17'"), std::string::npos) << e;
+  EXPECT_NE(e.find("bf16-mixed"), std::string::npos) << e;  // lists the valid names
+
+  if (!torch::cuda::is_available()) {
+    e = with([](fsdp::TrainerOptions& o) { o.accelerator = "cuda"; });
+    EXPECT_NE(e.find("torch::cuda::is_available() is false"), std::string::npos) << e;
+    EXPECT_NE(e.find("accelerator='cpu'"), std::string::npos) << e;
+  }
+  e = with([](fsdp::TrainerOptions& o) { o.accelerator = "tpu"; });
+  EXPECT_NE(e.find("unknown accelerator 'tpu'"), std::string::npos) << e;
+
+  e = with([](fsdp::TrainerOptions& o) { o.accumulate_grad_batches = 0; });
+  EXPECT_NE(e.find("accumulate_grad_batches"), std::string::npos) << e;
+  e = with([](fsdp::TrainerOptions& o) { o.limit_train_batches = 2.5; });
+  EXPECT_NE(e.find("whole numbers"), std::string::npos) << e;
+}
+
+TEST(StrategyRegistry, KnowsSingleAndDdpAndListsNamesOnError) {
+  auto names = fsdp::strategy_names();
+  EXPECT_NE(std::find(names.begin(), names.end(), "single"), names.end());
+  EXPECT_NE(std::find(names.begin(), names.end(), "ddp"), names.end());
+  EXPECT_EQ(fsdp::make_strategy("single")->name(), "single");
+  EXPECT_EQ(fsdp::make_strategy("ddp")->name(), "ddp");
+  std::string e = error_of([] { fsdp::make_strategy("dpp"); });
+  EXPECT_NE(e.find("unknown strategy 'dpp'"), std::string::npos) << e;
+  for (const auto& n : names) EXPECT_NE(e.find("'" + n + "'"), std::string::npos) << e;
+
+  // A Trainer with a misspelled strategy fails before launching anything.
+  e = error_of([] {
+    fsdp::TrainerOptions o;
+    o.strategy = "dpp";
+    fsdp::Trainer t(o);
+  });
+  EXPECT_NE(e.find("unknown strategy 'dpp'"), std::string::npos) << e;
+}
+
+TEST(StrategyRegistry, SingleRefusesMoreThanOneRank) {
+  fsdp::SingleDeviceStrategy s;
+  fsdp::LaunchInfo info;
+  info.world_size = 2;
+  std::string e = error_of([&] { s.connect(nullptr, info); });
+  EXPECT_NE(e.find("[strategy 'single']"), std::string::npos) << e;
+  EXPECT_NE(e.find("2 ranks"), std::string::npos) << e;
+}
+
+TEST(Trainer, StrategyObjectIsUsedAsGiven) {
+  auto single = std::make_shared<fsdp::SingleDeviceStrategy>();
+  auto o = quiet_options("object");
+  o.strategy = single;
+  fsdp::Trainer trainer(o);
+  EXPECT_EQ(trainer.strategy().get(), single.get());
+}
+
+TEST(Trainer, SeedEverythingMakesInitReproducible) {
+  TinyLM a, b;
+  fsdp::seed_everything(11);
+  a.configure_model();
+  fsdp::seed_everything(11);
+  b.configure_model();
+  EXPECT_TRUE(at::equal(a.emb->weight, b.emb->weight));
+  EXPECT_EQ(fsdp::last_seed(), 11u);
+}
+
+}  // namespace
