@@ -8,6 +8,7 @@
 #include "fsdp/comm.h"
 #include "fsdp/data.h"
 #include "fsdp/ddp.h"
+#include "fsdp/fsdp_strategy.h"
 #include "fsdp/launcher.h"
 #include "fsdp/lightning.h"
 #include "fsdp/memory.h"
