@@ -26,7 +26,7 @@ test: build
 	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) $(CTEST_ARGS)
 
 demo: build
-	$(BUILD_DIR)/bin/fsdp-train --model transformer-small --strategy fsdp --devices 2 \
+	$(BUILD_DIR)/bin/fsdp-train --model transformer-small --strategy ddp --devices 2 \
 	    --max-steps 60 --batch-size 8 --lr 3e-4 $(DEMO_ARGS)
 
 bench: build
