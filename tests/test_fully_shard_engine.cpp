@@ -1,0 +1,251 @@
+// The sharding engine without a multi-rank world: shard layout (uneven sizes, padding), the
+// state machine, wrap policies, tied parameters, option and name parsing, world-1 training.
+#include "fully_shard_common.h"
+#include "shard/fsdp_param.h"
+#include "shard/fsdp_param_group.h"
+#include "shard/fsdp_state.h"
+#include "shard/collectives.h"
+
+#include <gtest/gtest.h>
+
+using fsdp::testing::LoopConfig;
+using fsdp::testing::TinyLM;
+
+namespace {
+
+// Shards P over a simulated world of W ranks (one FsdpParam per rank), concatenates the shards
+// as the all-gather would and copies out into a fresh parameter.
+void check_round_trip(std::vector<int64_t> shape, int world) {
+  at::Tensor original = at::randn(shape);
+  std::vector<at::Tensor> shards;
+  torch::nn::Module owner;
+  for (int r = 0; r < world; ++r) {
+    at::Tensor p = original.clone().set_requires_grad(true);
+    torch::nn::Module m;
+    m.register_parameter("w", p);
+    fsdp::detail::FsdpParam fp(p, {&m, "w", "w"}, r, world);
+    fp.shard();
+    // The module now exposes the sharded parameter.
+    EXPECT_EQ(m.named_parameters()["w"].unsafeGetTensorImpl(), fp.sharded().unsafeGetTensorImpl());
+    // World 1: the shard is the parameter itself (nothing freed); else P's storage is freed.
+    EXPECT_EQ(p.storage().nbytes(), world == 1 ? p.numel() * 4u : 0u) << "world " << world;
+    EXPECT_EQ(fp.sharded().size(0), (fp.dim0() + world - 1) / world);
+    shards.push_back(fp.sharded().detach().reshape({-1}));
+    if (r == world - 1) {
+      // Padding rows (past dim0) are zero.
+      const int64_t real = fp.dim0() - r * fp.shard_rows();
+      at::Tensor rows = fp.sharded().detach().reshape({fp.shard_rows(), fp.row_numel()});
+      if (real < fp.shard_rows()) {
+        EXPECT_EQ(rows.narrow(0, std::max<int64_t>(real, 0), fp.shard_rows() - std::max<int64_t>(real, 0)).abs().sum().item<double>(), 0.0);
+      }
+      // Copy-out from the concatenation restores the full value through P.
+      at::Tensor output = at::cat(shards);
+      fp.alloc_unsharded();
+      fp.copy_out(output.view({world, fp.shard_numel()}));
+      EXPECT_TRUE(at::equal(p.detach(), original)) << "shape " << original.sizes() << " world " << world;
+    }
+  }
+}
+
+}  // namespace
+
+TEST(FullyShardEngine, ShardLayoutRoundTripsUnevenShapes) {
+  for (int world : {1, 2, 3, 4}) {
+    check_round_trip({5, 3}, world);
+    check_round_trip({7}, world);
+    check_round_trip({2, 3, 4}, world);
+    check_round_trip({1, 6}, world);  // fewer rows than ranks: some shards are all padding
+  }
+  check_round_trip({}, 3);  // 0-d parameter viewed as (1,)
+}
+
+TEST(FullyShardEngine, GradCopyInIsRankMajorAndPadded) {
+  at::Tensor p = at::randn({5, 2}).set_requires_grad(true);
+  torch::nn::Module m;
+  m.register_parameter("w", p);
+  fsdp::detail::FsdpParam fp(p, {&m, "w", "w"}, 0, 3);
+  p.mutable_grad() = at::arange(10, at::kFloat).view({5, 2});
+  at::Tensor buf = at::zeros({3, fp.shard_numel()});
+  fp.copy_grad_in(buf);
+  // R = 2 rows per rank: rank 0 rows 0-1, rank 1 rows 2-3, rank 2 row 4 + one zero row.
+  EXPECT_TRUE(at::equal(buf[0], at::tensor({0.f, 1.f, 2.f, 3.f})));
+  EXPECT_TRUE(at::equal(buf[1], at::tensor({4.f, 5.f, 6.f, 7.f})));
+  EXPECT_TRUE(at::equal(buf[2], at::tensor({8.f, 9.f, 0.f, 0.f})));
+}
+
+TEST(FullyShardEngine, WrongStateTransitionTripsInternalAssert) {
+  auto lin = torch::nn::Linear(4, 4);
+  fsdp::detail::FsdpState state({}, fsdp::detail::make_single_rank_group(0), nullptr);
+  state.build(*lin, {});
+  state.materialize();
+  auto& root = state.root_unit();
+  EXPECT_EQ(root.sharded_state(), fsdp::detail::ShardedState::kSharded);
+  // kSharded -> kSharded (reshard twice) is not a transition.
+  EXPECT_THROW(root.reshard(fsdp::detail::ShardedState::kSharded), c10::Error);
+  root.unshard();
+  EXPECT_EQ(root.sharded_state(), fsdp::detail::ShardedState::kUnsharded);
+  // kUnsharded -> kUnsharded
+  EXPECT_THROW(root.transition(fsdp::detail::ShardedState::kUnsharded), c10::Error);
+  root.reshard(fsdp::detail::ShardedState::kShardedPostForward);
+  // kShardedPostForward -> kShardedPostForward
+  EXPECT_THROW(root.transition(fsdp::detail::ShardedState::kShardedPostForward), c10::Error);
+  root.reshard_state_to_rest();
+  EXPECT_EQ(root.sharded_state(), fsdp::detail::ShardedState::kSharded);
+}
+
+TEST(FullyShardEngine, TiedParametersAcrossUnitsAreAClearError) {
+  TinyLM lm;
+  lm.configure_model();
+  auto* tf = dynamic_cast<fsdp::demos::Transformer*>(lm.model.get());
+  ASSERT_NE(tf, nullptr);
+  // Tie encoder layer 0's linear1 weight to decoder layer 0's linear1 weight (same shape).
+  auto& dec_params = fsdp::detail::registered_parameters(*tf->decoder_layers[0]->linear1);
+  dec_params["weight"] = tf->encoder_layers[0]->linear1->weight;
+  tf->decoder_layers[0]->linear1->weight = tf->encoder_layers[0]->linear1->weight;
+
+  fsdp::FSDPOptions opts;
+  opts.auto_wrap_policy = fsdp::AutoWrapPolicy::of_types(fsdp::demos::layer_types("transformer-tiny"));
+  fsdp::FSDPStrategy strategy(opts);
+  strategy.connect(nullptr, {});
+  try {
+    strategy.setup_module(lm);
+    FAIL() << "tied parameters across units were accepted";
+  } catch (const c10::Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("encoder.layers.0.linear1.weight"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("decoder.layers.0.linear1.weight"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("one unit"), std::string::npos) << msg;
+  }
+}
+
+TEST(FullyShardEngine, TiedParametersInsideOneUnitShareOneShard) {
+  // gpt2-tiny ties the lm head to wte (registered once); add a second registration by hand in
+  // the root unit: both names must expose the same sharded parameter.
+  TinyLM lm;
+  lm.model_name = "gpt2-tiny";
+  lm.configure_model();
+  auto* gpt = dynamic_cast<fsdp::demos::GPT*>(lm.model.get());
+  ASSERT_NE(gpt, nullptr);
+  fsdp::detail::registered_parameters(*gpt->wpe).insert("alias", gpt->wte->weight);
+  fsdp::FSDPStrategy strategy;
+  strategy.connect(nullptr, {});
+  strategy.setup_module(lm);
+  auto params = lm.named_parameters();
+  EXPECT_EQ(params["model.wte.weight"].unsafeGetTensorImpl(),
+            params["model.wpe.alias"].unsafeGetTensorImpl());
+}
+
+TEST(FullyShardEngine, WrapPoliciesSelectUnits) {
+  auto count_units = [](fsdp::AutoWrapPolicy policy, const std::string& model) {
+    TinyLM lm;
+    lm.model_name = model;
+    fsdp::FSDPOptions opts;
+    opts.auto_wrap_policy = std::move(policy);
+    fsdp::FSDPStrategy strategy(opts);
+    strategy.connect(nullptr, {});
+    fsdp::configure_model_with(strategy, lm);
+    strategy.setup_module(lm);
+    std::vector<std::string> names;
+    for (auto& u : strategy.state().units()) names.push_back(u->name());
+    return names;
+  };
+  auto types = count_units(fsdp::AutoWrapPolicy::of_types(fsdp::demos::layer_types("transformer-tiny")),
+                           "transformer-tiny");
+  ASSERT_EQ(types.size(), 5u);  // root + 2 encoder + 2 decoder layers
+  EXPECT_EQ(types[0], "<root>");
+  EXPECT_NE(types[1].find("encoder.layers.0"), std::string::npos) << types[1];
+  EXPECT_EQ(count_units(fsdp::AutoWrapPolicy::none(), "transformer-tiny").size(), 1u);
+  // Size-based: every attention block (3*32*32 + ... > 4000 elements) and then layers with
+  // enough left over.
+  auto sized = count_units(fsdp::AutoWrapPolicy::size_based(4000), "transformer-tiny");
+  EXPECT_GT(sized.size(), 1u);
+  auto gpt = count_units(
+      fsdp::AutoWrapPolicy::of_predicate([](const torch::nn::Module& m, int64_t) {
+        return dynamic_cast<const fsdp::demos::GPTBlock*>(&m) != nullptr;
+      }),
+      "gpt2-tiny");
+  EXPECT_EQ(gpt.size(), 3u);  // root + 2 blocks
+}
+
+TEST(FullyShardEngine, ManualWrapIsUsedAndPolicyIgnored) {
+  TinyLM lm;
+  lm.after_build = [](TinyLM& m) {
+    auto* tf = dynamic_cast<fsdp::demos::Transformer*>(m.model.get());
+    fsdp::wrap(tf->encoder_layers[1]);
+  };
+  fsdp::FSDPOptions opts;
+  opts.auto_wrap_policy = fsdp::AutoWrapPolicy::of_types(fsdp::demos::layer_types("transformer-tiny"));
+  fsdp::FSDPStrategy strategy(opts);
+  strategy.connect(nullptr, {});
+  fsdp::configure_model_with(strategy, lm);
+  strategy.setup_module(lm);
+  ASSERT_EQ(strategy.state().units().size(), 2u);
+  EXPECT_NE(strategy.state().units()[1]->name().find("encoder.layers.1"), std::string::npos);
+
+  // Outside an FSDP strategy, wrap is a no-op.
+  TinyLM other;
+  other.after_build = lm.after_build;
+  EXPECT_NO_THROW(other.configure_model());
+}
+
+TEST(FullyShardEngine, NamesAndOptionsParseInOnePlace) {
+  EXPECT_EQ(fsdp::parse_sharding_strategy("FULL_SHARD"), fsdp::ShardingStrategy::kFullShard);
+  EXPECT_EQ(fsdp::parse_sharding_strategy("shard_grad_op"), fsdp::ShardingStrategy::kShardGradOp);
+  EXPECT_EQ(fsdp::parse_sharding_strategy("HYBRID_SHARD_ZERO2"),
+            fsdp::ShardingStrategy::kHybridShardZero2);
+  try {
+    fsdp::parse_sharding_strategy("FULLSHARD");
+    FAIL();
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("SHARD_GRAD_OP"), std::string::npos);
+  }
+  EXPECT_EQ(fsdp::make_fsdp_strategy("fsdp")->options().sharding_strategy,
+            fsdp::ShardingStrategy::kFullShard);
+  EXPECT_EQ(fsdp::make_fsdp_strategy("fsdp_no_shard")->options().sharding_strategy,
+            fsdp::ShardingStrategy::kNoShard);
+  EXPECT_EQ(fsdp::make_fsdp_strategy("fsdp_hybrid_shard_zero2")->options().sharding_strategy,
+            fsdp::ShardingStrategy::kHybridShardZero2);
+  try {
+    fsdp::make_fsdp_strategy("fsdp_zero3");
+    FAIL();
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("fsdp_shard_grad_op"), std::string::npos);
+  }
+  EXPECT_EQ(fsdp::parse_backward_prefetch("post"), fsdp::BackwardPrefetch::kPost);
+  EXPECT_THROW(fsdp::parse_backward_prefetch("later"), c10::Error);
+
+  fsdp::FSDPOptions mp;
+  mp.mixed_precision = "bf16-mixed";
+  try {
+    fsdp::FSDPStrategy s(mp);
+    FAIL();
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("not supported yet"), std::string::npos);
+  }
+  fsdp::FSDPOptions off;
+  off.cpu_offload = true;
+  EXPECT_THROW(fsdp::FSDPStrategy{off}, c10::Error);
+  fsdp::FSDPOptions sd;
+  sd.state_dict_type = "sharded";
+  EXPECT_THROW(fsdp::FSDPStrategy{sd}, c10::Error);
+}
+
+// World 1: the shard is the whole parameter; training must match plain libtorch exactly.
+TEST(FullyShardEngine, WorldOneMatchesPlainTraining) {
+  LoopConfig cfg;
+  cfg.steps = 4;
+  for (auto ss : {fsdp::ShardingStrategy::kFullShard, fsdp::ShardingStrategy::kShardGradOp,
+                  fsdp::ShardingStrategy::kNoShard}) {
+    TinyLM ref;
+    auto want = fsdp::testing::train_reference(ref, cfg);
+    TinyLM lm;
+    fsdp::FSDPOptions opts;
+    opts.sharding_strategy = ss;
+    opts.auto_wrap_policy = fsdp::AutoWrapPolicy::of_types(fsdp::demos::layer_types("transformer-tiny"));
+    fsdp::FSDPStrategy strategy(opts);
+    strategy.connect(nullptr, {});
+    auto got = fsdp::testing::train_with(strategy, lm, cfg);
+    fsdp::testing::expect_losses_close(got, want, 1e-6);
+    fsdp::testing::expect_params_close(strategy.gather_full_params(), ref, 1e-6);
+  }
+}
