@@ -14,6 +14,7 @@
 #include <string>
 #include <thread>
 
+#include "fsdp/comm.h"
 #include "fsdp/launcher.h"
 
 int main(int argc, char** argv) {
@@ -24,6 +25,7 @@ int main(int argc, char** argv) {
   double delay_s = 0.3;
   double survivor_s = 60;  // how long the other ranks wait before exiting 0 by themselves
   int rank0_status = 0;
+  bool collective = false;  // survivors wait in a barrier (as real ranks would) instead of sleeping
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto next = [&] { return std::string(i + 1 < argc ? argv[++i] : ""); };
@@ -34,6 +36,7 @@ int main(int argc, char** argv) {
     else if (a == "--delay") delay_s = std::atof(next().c_str());
     else if (a == "--survivor-wait") survivor_s = std::atof(next().c_str());
     else if (a == "--rank0-status") rank0_status = std::atoi(next().c_str());
+    else if (a == "--collective") collective = true;
     else {
       std::fprintf(stderr, "helper_launch: unknown argument %s\n", a.c_str());
       return 2;
@@ -46,6 +49,15 @@ int main(int argc, char** argv) {
               static_cast<int>(::getpid()), info.master_port);
   std::fflush(stdout);
 
+  fsdp::ProcessGroupPtr group;
+  if (collective) {
+    fsdp::ProcessGroupOptions pgo;
+    pgo.backend = options.backend;
+    group = fsdp::init_process_group(pgo);
+    group->barrier();
+    std::printf("rank %d joined the group\n", info.rank);
+    std::fflush(stdout);
+  }
   auto sleep_s = [](double s) {
     std::this_thread::sleep_for(std::chrono::duration<double>(s));
   };
@@ -63,11 +75,16 @@ int main(int argc, char** argv) {
   } else if (fail_rank >= 0) {
     // A survivor: would be blocked in a collective; when the launcher kills it, it never
     // reaches the message below.
-    sleep_s(survivor_s);
+    if (group) {
+      group->barrier();  // never completes: the failing rank does not arrive
+    } else {
+      sleep_s(survivor_s);
+    }
     std::fprintf(stderr, "helper: rank %d secondary error after waiting %.0f s\n", info.rank,
                  survivor_s);
     return 5;
   }
+  if (group) group->barrier();
   if (info.rank == 0 && rank0_status != 0) return rank0_status;
   return 0;
 }

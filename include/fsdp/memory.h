@@ -59,6 +59,8 @@ std::string memory_summary(ProcessGroup& group);
 struct RankMemory {
   std::vector<int64_t> peak_bytes;
   std::vector<int64_t> peak_rss_bytes;
+  std::vector<int64_t> current_bytes;
+  std::vector<int64_t> current_rss_bytes;
 };
 RankMemory gather_memory(ProcessGroup& group);
 

@@ -107,6 +107,9 @@ struct SupervisorOptions {
   int self_rank = -1;          // this process's rank when it is one of the ranks, else -1
   bool forward_stderr = true;  // pipe children's stderr through the watcher (Note above)
   double kill_grace_s = 3.0;   // SIGTERM -> SIGKILL
+  // After a child failed, let the others finish by themselves this long before stopping them
+  // (run_ranks: so every failing rank of a test gets to report; launchers: 0).
+  double stop_delay_s = 0.0;
   std::string who = "fsdp";    // prefix of the launcher's own lines
 };
 

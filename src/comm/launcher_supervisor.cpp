@@ -331,6 +331,14 @@ struct Supervisor::Impl {
       std::lock_guard<std::mutex> lock(mu);
       rank = primary;
     }
+    for (auto t0 = Clock::now(); seconds_since(t0) < opt.stop_delay_s;) {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        reap_locked();
+        if (all_exited_locked()) break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
     stop_children(rank, opt.forward_stderr);
     Child* c = by_rank(rank);
     int status;

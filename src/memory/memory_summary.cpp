@@ -1,0 +1,83 @@
+// memory_summary(): this rank's table; gather_memory / memory_summary(group): all ranks'.
+#include <ATen/ATen.h>
+
+#include <cstdio>
+#include <sstream>
+
+#include "fsdp/comm.h"
+#include "fsdp/memory.h"
+
+namespace fsdp {
+
+namespace {
+
+std::string row(const char* name, const std::string& value) {
+  char buf[160];
+  std::snprintf(buf, sizeof(buf), "  %-18s %s\n", name, value.c_str());
+  return buf;
+}
+
+int this_rank() {
+  if (auto world = world_group()) return world->rank();
+  const char* r = std::getenv("RANK");
+  return r ? std::atoi(r) : 0;
+}
+
+}  // namespace
+
+std::string memory_summary() {
+  MemoryStats s = memory_stats();
+  std::ostringstream out;
+  out << "memory (rank " << this_rank() << ")"
+      << (tracking_allocator_installed() ? "" : " [tracking allocator not installed]") << "\n";
+  out << row("peak allocated", format_bytes(s.peak_bytes));
+  out << row("current allocated", format_bytes(s.current_bytes));
+  out << row("allocations", std::to_string(s.num_allocs) + " (frees " +
+                                 std::to_string(s.num_frees) + ")");
+  out << row("current RSS", format_bytes(current_rss_bytes()));
+  out << row("peak RSS", format_bytes(peak_rss_bytes()));
+  out << row("budget", s.budget_bytes > 0 ? format_bytes(s.budget_bytes) : std::string("none"));
+  return out.str();
+}
+
+RankMemory gather_memory(ProcessGroup& group) {
+  MemoryStats s = memory_stats();
+  // Read everything before allocating the exchange buffers (they are tracked too).
+  int64_t values[4] = {s.peak_bytes, peak_rss_bytes(), s.current_bytes, current_rss_bytes()};
+  constexpr int kFields = 4;
+  at::Tensor input = at::empty({kFields}, at::kLong);
+  for (int i = 0; i < kFields; ++i) input[i] = values[i];
+  at::Tensor output = at::empty({group.size() * kFields}, at::kLong);
+  group.all_gather_into_tensor(output, input);
+  auto v = output.accessor<int64_t, 1>();
+  RankMemory m;
+  for (int r = 0; r < group.size(); ++r) {
+    m.peak_bytes.push_back(v[r * kFields + 0]);
+    m.peak_rss_bytes.push_back(v[r * kFields + 1]);
+    m.current_bytes.push_back(v[r * kFields + 2]);
+    m.current_rss_bytes.push_back(v[r * kFields + 3]);
+  }
+  return m;
+}
+
+std::string memory_summary(ProcessGroup& group) {
+  RankMemory m = gather_memory(group);
+  if (group.rank() != 0) return "";
+  std::ostringstream out;
+  char buf[200];
+  std::snprintf(buf, sizeof(buf), "%-6s %16s %16s %16s %16s\n", "rank", "peak allocated",
+                "current", "peak RSS", "current RSS");
+  out << "memory per rank (" << group.size() << " ranks, " << group.backend() << ")\n" << buf;
+  for (int r = 0; r < group.size(); ++r) {
+    std::snprintf(buf, sizeof(buf), "%-6d %16s %16s %16s %16s\n", group.world_ranks()[r],
+                  format_bytes(m.peak_bytes[r]).c_str(), format_bytes(m.current_bytes[r]).c_str(),
+                  format_bytes(m.peak_rss_bytes[r]).c_str(),
+                  format_bytes(m.current_rss_bytes[r]).c_str());
+    out << buf;
+  }
+  int64_t budget = memory_budget();
+  if (budget > 0) out << "budget per rank: " << format_bytes(budget) << "\n";
+  return out.str();
+}
+
+}  // namespace fsdp

@@ -1,0 +1,165 @@
+// The tracking CPU allocator: current/peak tensor bytes, allocation counts, memory budget.
+//
+// Note [Tracking allocator]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~
+// Installed with c10::SetCPUAllocator at a priority above the default allocator's (0), so every
+// CPU tensor storage created afterwards (at::empty, resize, copies, autograd buffers) comes
+// from here. Each block is 64-byte aligned (c10's alignment) and carries a 64-byte header in
+// front of the data holding its size, so the deleter needs only the data pointer: the DataPtr's
+// context is the data pointer itself, which keeps raw_allocate/raw_deallocate working.
+// Counters are atomics (allocations happen on intra-op and autograd threads). The budget is
+// checked by reserving first (fetch_add) and undoing on refusal, so concurrent allocations
+// cannot overshoot it together. Storages allocated before installation keep the default
+// allocator's deleter and are not counted (neither their allocation nor their free).
+#include <ATen/ATen.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/alloc_cpu.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <fstream>
+#include <mutex>
+#include <sstream>
+
+#include "fsdp/memory.h"
+
+namespace fsdp {
+
+namespace {
+
+constexpr size_t kHeader = 64;  // keeps the data 64-byte aligned
+
+std::atomic<int64_t> g_current{0};
+std::atomic<int64_t> g_peak{0};
+std::atomic<int64_t> g_allocs{0};
+std::atomic<int64_t> g_frees{0};
+std::atomic<int64_t> g_budget{0};
+std::atomic<bool> g_installed{false};
+
+void update_peak(int64_t now) {
+  int64_t peak = g_peak.load(std::memory_order_relaxed);
+  while (now > peak && !g_peak.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
+  }
+}
+
+void tracking_delete(void* data) {
+  if (data == nullptr) return;
+  char* base = static_cast<char*>(data) - kHeader;
+  int64_t size = *reinterpret_cast<int64_t*>(base);
+  g_current.fetch_sub(size, std::memory_order_relaxed);
+  g_frees.fetch_add(1, std::memory_order_relaxed);
+  c10::free_cpu(base);
+}
+
+[[noreturn]] void throw_budget_error(int64_t requested, int64_t in_use, int64_t budget) {
+  std::ostringstream msg;
+  msg << "out of memory: allocating " << format_bytes(requested) << " with "
+      << format_bytes(in_use) << " in use would exceed the budget of " << format_bytes(budget)
+      << " (FSDP_MEMORY_BUDGET or fsdp::set_memory_budget). ---> HINT: reduce the batch size, "
+         "use a sharding strategy that shards more (FULL_SHARD / ZeRO-3), enable activation "
+         "checkpointing or CPU offload, or raise the budget";
+  // No C++ backtrace in the message: this is a user-facing condition, not a bug.
+  throw OutOfMemoryError(msg.str(), "");
+}
+
+class TrackingAllocator final : public at::Allocator {
+ public:
+  at::DataPtr allocate(size_t nbytes) const override {
+    if (nbytes == 0) return {nullptr, nullptr, &tracking_delete, at::Device(at::DeviceType::CPU)};
+    const int64_t n = static_cast<int64_t>(nbytes);
+    const int64_t now = g_current.fetch_add(n, std::memory_order_relaxed) + n;
+    const int64_t budget = g_budget.load(std::memory_order_relaxed);
+    if (budget > 0 && now > budget) {
+      g_current.fetch_sub(n, std::memory_order_relaxed);
+      throw_budget_error(n, now - n, budget);
+    }
+    void* base = nullptr;
+    try {
+      base = c10::alloc_cpu(nbytes + kHeader);
+    } catch (...) {
+      g_current.fetch_sub(n, std::memory_order_relaxed);
+      throw;
+    }
+    *static_cast<int64_t*>(base) = n;
+    update_peak(now);
+    g_allocs.fetch_add(1, std::memory_order_relaxed);
+    void* data = static_cast<char*>(base) + kHeader;
+    return {data, data, &tracking_delete, at::Device(at::DeviceType::CPU)};
+  }
+
+  at::DeleterFnPtr raw_deleter() const override { return &tracking_delete; }
+};
+
+// Above the default CPU allocator (priority 0): later SetCPUAllocator calls with a lower
+// priority are ignored.
+constexpr uint8_t kPriority = 100;
+
+}  // namespace
+
+void install_tracking_allocator() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    if (const char* env = std::getenv("FSDP_MEMORY_BUDGET"); env && *env) {
+      try {
+        g_budget.store(parse_bytes(env));
+      } catch (const c10::Error& e) {
+        TORCH_CHECK(false, "[memory] FSDP_MEMORY_BUDGET='", env, "' is not a byte count: ",
+                    e.what_without_backtrace());
+      }
+    }
+    static TrackingAllocator allocator;  // lives until exit: storages point at it
+    c10::SetCPUAllocator(&allocator, kPriority);
+    TORCH_INTERNAL_ASSERT(c10::GetCPUAllocator() == &allocator,
+                          "another CPU allocator with a higher priority is installed");
+    g_installed.store(true);
+  });
+}
+
+bool tracking_allocator_installed() { return g_installed.load(); }
+
+MemoryStats memory_stats() {
+  MemoryStats s;
+  s.current_bytes = g_current.load();
+  s.peak_bytes = std::max(g_peak.load(), s.current_bytes);
+  s.num_allocs = g_allocs.load();
+  s.num_frees = g_frees.load();
+  s.budget_bytes = g_budget.load();
+  return s;
+}
+
+void reset_peak_memory_stats() {
+  g_peak.store(g_current.load());
+  g_allocs.store(0);
+  g_frees.store(0);
+}
+
+void set_memory_budget(int64_t bytes) {
+  TORCH_CHECK(bytes >= 0, "[memory] budget must be >= 0 bytes (0 = none), got ", bytes);
+  g_budget.store(bytes);
+}
+
+int64_t memory_budget() { return g_budget.load(); }
+
+int64_t current_rss_bytes() {
+  std::ifstream statm("/proc/self/statm");
+  int64_t size = 0, resident = 0;
+  if (!(statm >> size >> resident)) return 0;
+  return resident * static_cast<int64_t>(::sysconf(_SC_PAGESIZE));
+}
+
+int64_t peak_rss_bytes() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) {
+      std::istringstream in(line.substr(6));
+      int64_t kb = 0;
+      in >> kb;
+      return kb * 1024;
+    }
+  }
+  return 0;
+}
+
+}  // namespace fsdp
