@@ -48,6 +48,9 @@ struct TinyLM : fsdp::LightningModule {
     log("val_loss", loss);
     return loss;
   }
+  at::Tensor predict_step(const fsdp::Batch& b, int64_t) override {
+    return head(emb(b.input)).argmax(-1);
+  }
   fsdp::OptimizerConfig configure_optimizers() override {
     if (optimizer == "sgd") {
       return {std::make_shared<torch::optim::SGD>(parameters(), torch::optim::SGDOptions(lr))};
@@ -272,6 +275,19 @@ TEST(Trainer, ValidateReturnsTheMeanOfLoggedMetrics) {
   for (int i = 0; i < 5; ++i) sum += model.loss_of(val.batch(i)).item<double>();
   EXPECT_NEAR(metrics["val_loss"], sum / 5, 1e-6);
   EXPECT_TRUE(model.is_training());  // validate restores the mode it found
+}
+
+TEST(Trainer, PredictReturnsOneOutputPerBatchWithoutGrad) {
+  auto data = corpus(400);  // 49 blocks of 8 -> 12 full batches of 4
+  auto l = loader(data, 4, false);
+  TinyLM model;
+  fsdp::Trainer trainer(quiet_options("predict"));
+  auto out = trainer.predict(model, l);
+  ASSERT_EQ(static_cast<int64_t>(out.size()), l.num_batches());
+  EXPECT_EQ(out.size(), 12u);
+  EXPECT_EQ(out[0].sizes(), (std::vector<int64_t>{4, 8}));
+  EXPECT_FALSE(out[0].requires_grad());
+  EXPECT_TRUE(trainer.test(model, l).empty());  // no test_step: nothing logged
 }
 
 TEST(Trainer, FitValidatesAtTheConfiguredInterval) {
