@@ -23,6 +23,7 @@
 #include <iterator>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace fsdp {
@@ -85,6 +86,7 @@ class WikiText2 : public TokenBlockDataset {
 
  private:
   std::vector<std::string> words_;
+  std::unordered_map<std::string, int64_t> ids_;  // word -> id
   std::string split_;
 };
 

@@ -116,13 +116,12 @@ WikiText2::WikiText2(const std::string& dir, const std::string& split, int64_t b
 
   // One pass over the present files in train/valid/test order: the dictionary grows in order of
   // first appearance over all of them; only the requested split's ids are kept.
-  std::unordered_map<std::string, int64_t> ids;
   std::vector<int64_t> data;
   for (const auto& s : present) {
     const bool keep = s == split;
     const std::string text = read_file(fs::path(dir) / (s + ".txt"));
     for_each_token(text, [&](const std::string& word) {
-      auto [it, inserted] = ids.emplace(word, static_cast<int64_t>(words_.size()));
+      auto [it, inserted] = ids_.emplace(word, static_cast<int64_t>(words_.size()));
       if (inserted) words_.push_back(word);
       if (keep) data.push_back(it->second);
     });
@@ -136,8 +135,8 @@ WikiText2::WikiText2(const std::string& dir, const std::string& split, int64_t b
 }
 
 int64_t WikiText2::id(const std::string& word) const {
-  auto it = std::find(words_.begin(), words_.end(), word);
-  return it == words_.end() ? -1 : static_cast<int64_t>(it - words_.begin());
+  auto it = ids_.find(word);
+  return it == ids_.end() ? -1 : it->second;
 }
 
 // ---------------------------------------------------------------------------------------------
