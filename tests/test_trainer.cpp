@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "fsdp/fsdp.h"
+#include "train/progress_bar.h"
 
 #include <cmath>
 #include <filesystem>
@@ -403,6 +404,39 @@ TEST(Trainer, UnsupportedPrecisionAndAcceleratorFailClearly) {
   EXPECT_NE(e.find("accumulate_grad_batches"), std::string::npos) << e;
   e = with([](fsdp::TrainerOptions& o) { o.limit_train_batches = 2.5; });
   EXPECT_NE(e.find("whole numbers"), std::string::npos) << e;
+}
+
+TEST(ProgressBar, PlainLinesEveryLogEveryStepsWhenNotATerminal) {
+  std::ostringstream os;
+  fsdp::detail::ProgressBar bar(os, /*is_terminal=*/false, /*total_steps=*/10, /*log_every=*/4);
+  for (int64_t s = 1; s <= 10; ++s) bar.update(s, 0, 2.5, {{"acc", 0.5}});
+  bar.finish();
+  const std::string out = os.str();
+  EXPECT_EQ(out.find('\r'), std::string::npos);
+  std::vector<std::string> lines;
+  std::stringstream ss(out);
+  for (std::string l; std::getline(ss, l);) lines.push_back(l);
+  ASSERT_EQ(lines.size(), 4u) << out;  // steps 1, 4, 8 and the last
+  EXPECT_NE(lines[1].find("4/10"), std::string::npos) << lines[1];
+  EXPECT_NE(lines[3].find("10/10"), std::string::npos) << lines[3];
+  EXPECT_NE(lines[3].find("100%"), std::string::npos) << lines[3];
+  EXPECT_NE(lines[3].find("loss 2.5"), std::string::npos) << lines[3];
+  EXPECT_NE(lines[3].find("acc 0.5"), std::string::npos) << lines[3];
+  EXPECT_NE(lines[3].find("it/s"), std::string::npos) << lines[3];
+  EXPECT_NE(lines[1].find("ETA"), std::string::npos) << lines[1];
+}
+
+TEST(ProgressBar, RedrawsInPlaceOnATerminal) {
+  std::ostringstream os;
+  fsdp::detail::ProgressBar bar(os, /*is_terminal=*/true, /*total_steps=*/3, /*log_every=*/1);
+  for (int64_t s = 1; s <= 3; ++s) bar.update(s, 0, 1.0, {});
+  bar.finish();
+  const std::string out = os.str();
+  EXPECT_EQ(out.front(), '\r');
+  EXPECT_EQ(std::count(out.begin(), out.end(), '\n'), 1) << out;  // only finish() ends the line
+  EXPECT_NE(out.find("3/3 [===================="), std::string::npos) << out;
+  EXPECT_EQ(fsdp::detail::ProgressBar::format_duration(3723), "1:02:03");
+  EXPECT_EQ(fsdp::detail::ProgressBar::format_duration(65), "01:05");
 }
 
 TEST(StrategyRegistry, KnowsSingleAndDdpAndListsNamesOnError) {

@@ -1,16 +1,23 @@
 // fsdp::Trainer — Lightning's Trainer for C++.
 //
 //   fsdp::seed_everything(42);
-//   auto data = std::make_shared<fsdp::demos::SyntheticCorpus>(...);
-//   fsdp::DataLoader train_loader(data, {.batch_size = 4});
-//   LanguageModel model(vocab_size);                     // a fsdp::LightningModule
-//   fsdp::Trainer trainer({.devices = 2, .strategy = "ddp", .max_steps = 100});
+//   auto data = std::make_shared<fsdp::demos::SyntheticCorpus>(/*vocab=*/128, /*tokens=*/100000,
+//                                                              /*seed=*/42);
+//   fsdp::DataLoader train_loader(data, /*batch_size_per_rank=*/4,
+//                                 fsdp::DistributedSampler(data->size()));
+//   fsdp::TrainerOptions options;
+//   options.devices = 2;
+//   options.strategy = "ddp";                            // or a StrategyPtr
+//   options.max_steps = 100;
+//   fsdp::Trainer trainer(options);                      // devices > 1: other ranks start here
+//   LanguageModel model(data->vocab_size());             // a fsdp::LightningModule
 //   trainer.fit(model, train_loader);
 //   trainer.print(fsdp::memory_summary());
 //
 // Ranks are processes (DESIGN.md §3): constructing a Trainer with devices > 1 re-executes the
 // program devices-1 times (fsdp::launch), so every rank runs main() up to this point again and
-// then the same fit(). Code before the Trainer runs once per rank; seed before it.
+// then the same fit(). Code before the Trainer runs in every rank as well (each rank re-executes
+// main()); seed before building models so every rank builds the same one.
 //
 // Lightning conventions kept here:
 //   - batch_size is per rank: the Trainer gives the loader a DistributedSampler for its rank and
@@ -101,8 +108,8 @@ struct TrainerOptions {
   bool enable_summary = true;      // end-of-run summary (it/s, memory table) on rank 0
 };
 
-// What a fit() measured. Loss and memory lists are complete on global rank 0; other ranks get
-// their local loss and their own memory entry only.
+// What a fit() measured, on every rank (losses are already the global mean everywhere; the
+// CSV logger, progress bar and summary exist on global rank 0 only).
 struct FitResults {
   std::vector<double> losses;      // per optimizer step: mean training loss over micro-batches
                                    // and ranks (global mean), as returned by training_step
@@ -132,6 +139,8 @@ class Trainer {
   Trainer(const Trainer&) = delete;
   Trainer& operator=(const Trainer&) = delete;
 
+  // The loaders are re-strided in place for this rank when their sampler was built for world 1
+  // (see Note [Sampler striding] in fsdp/data.h); a sampler built for another world is an error.
   void fit(LightningModule& module, DataLoader& train_loader);
   void fit(LightningModule& module, DataLoader& train_loader, DataLoader& val_loader);
   // Runs validation_step / test_step over the loader and returns the epoch-level metrics
