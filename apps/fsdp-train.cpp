@@ -57,6 +57,12 @@ struct Args {
   int64_t batch_size = 4;
   int64_t block_size = 35;
   int64_t num_tokens = 0;
+  // FSDP (--strategy fsdp*)
+  std::string sharding_strategy;
+  std::string wrap_policy = "layers";
+  bool limit_all_gathers = false;
+  std::string backward_prefetch = "pre";
+  bool forward_prefetch = false;
   // Output
   std::string summary_json;
 };
@@ -196,12 +202,24 @@ std::string what_of(const std::exception& e) {
 
 int run(const Args& a, const ModelSpec& spec_in) {
   fsdp::seed_everything(a.seed);
+  // Data first: a missing file fails once, here, before the other ranks are started.
+  Data data = load_data(a);
 
   fsdp::TrainerOptions t;
   t.accelerator = a.accelerator;
   t.devices = a.devices;
   t.num_nodes = a.num_nodes;
   t.strategy = a.strategy;
+  if (a.strategy.rfind("fsdp", 0) == 0) {  // FSDP flags; see include/fsdp/fsdp_strategy.h
+    fsdp::FSDPOptions o;
+    if (!a.sharding_strategy.empty()) o.sharding_strategy = fsdp::parse_sharding_strategy(a.sharding_strategy);
+    o.auto_wrap_policy = fsdp::parse_wrap_policy(
+        a.wrap_policy, fsdp::demos::layer_types(a.model == "custom" ? "transformer-tiny" : a.model));
+    o.limit_all_gathers = a.limit_all_gathers;
+    o.backward_prefetch = fsdp::parse_backward_prefetch(a.backward_prefetch);
+    o.forward_prefetch = a.forward_prefetch;
+    t.strategy = fsdp::make_fsdp_strategy(a.strategy, o);
+  }
   t.precision = a.precision;
   t.max_epochs = a.max_epochs;
   t.max_steps = a.max_steps;
@@ -217,7 +235,6 @@ int run(const Args& a, const ModelSpec& spec_in) {
   t.process_group_backend = a.backend;
   fsdp::Trainer trainer(t);  // devices > 1: the other ranks start here and run main() again
 
-  Data data = load_data(a);
   ModelSpec spec = spec_in;
   spec.vocab_size = data.vocab_size;
   // Lightning's convention: batch size per rank; the Trainer strides the sampler over ranks.
@@ -304,6 +321,13 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_option("--strategy", a.strategy, "auto = single for one rank, ddp for more")
       ->check(CLI::IsMember(strategies));
+  app.add_option("--sharding-strategy", a.sharding_strategy,
+                 "fsdp: FULL_SHARD | SHARD_GRAD_OP | NO_SHARD | HYBRID_SHARD | HYBRID_SHARD_ZERO2");
+  app.add_option("--wrap-policy", a.wrap_policy, "fsdp units: layers | size:N | none");
+  app.add_flag("--limit-all-gathers", a.limit_all_gathers, "fsdp: at most two units unsharded");
+  app.add_option("--prefetch,--backward-prefetch", a.backward_prefetch, "fsdp backward prefetch: pre | post | none")
+      ->check(CLI::IsMember({"pre", "post", "none"}));
+  app.add_flag("--forward-prefetch", a.forward_prefetch, "fsdp: all-gather the next unit during forward");
   app.add_option("--precision", a.precision, "only 32-true is supported now")
       ->check(CLI::IsMember(fsdp::Trainer::precision_names()));
   app.add_option("--max-steps", a.max_steps, "optimizer steps to take (-1: until --max-epochs)")

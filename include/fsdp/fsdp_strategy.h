@@ -71,6 +71,11 @@ struct AutoWrapPolicy {
       std::function<bool(const torch::nn::Module&, int64_t nparams)> predicate);
 };
 
+// Command-line form (fsdp-train --wrap-policy): "layers" (the model's block types, given as
+// `layer_types`), "size:N" (size-based, min_num_params N) or "none". Anything else is an error
+// listing the forms.
+AutoWrapPolicy parse_wrap_policy(const std::string& spec, const fsdp::nn::ModuleTypes& layer_types);
+
 struct FSDPOptions {
   ShardingStrategy sharding_strategy = ShardingStrategy::kFullShard;
   AutoWrapPolicy auto_wrap_policy;  // default: no units besides the root
@@ -155,7 +160,9 @@ class FSDPStrategy : public Strategy {
 
 // The one parser of FSDP strategy names: "fsdp" (FULL_SHARD), "fsdp_full_shard",
 // "fsdp_shard_grad_op", "fsdp_no_shard", "fsdp_hybrid_shard", "fsdp_hybrid_shard_zero2".
-// An unknown name is an error listing the valid ones.
+// An unknown name is an error listing the valid ones. An explicit form ("fsdp_no_shard") sets
+// options.sharding_strategy; it is an error when options already asks for a different
+// non-default one.
 std::vector<std::string> fsdp_strategy_names();
 const char* fsdp_strategy_help(const std::string& name);
 std::shared_ptr<FSDPStrategy> make_fsdp_strategy(const std::string& name, FSDPOptions options = {});

@@ -139,7 +139,13 @@ std::shared_ptr<FSDPStrategy> make_fsdp_strategy(const std::string& name, FSDPOp
                     std::count(fsdp_strategy_names().begin(), fsdp_strategy_names().end(), lower),
                 "[make_fsdp_strategy] unknown FSDP strategy '", name, "'; valid names: ",
                 join(fsdp_strategy_names()));
-    options.sharding_strategy = parse_sharding_strategy(lower.substr(prefix.size()));
+    const ShardingStrategy named = parse_sharding_strategy(lower.substr(prefix.size()));
+    TORCH_CHECK(options.sharding_strategy == ShardingStrategy::kFullShard ||
+                    options.sharding_strategy == named,
+                "[make_fsdp_strategy] strategy '", name, "' means ", to_string(named),
+                " but the options ask for ", to_string(options.sharding_strategy),
+                ". HINT: use --strategy fsdp with --sharding-strategy, or drop the latter.");
+    options.sharding_strategy = named;
   }
   auto strategy = std::make_shared<FSDPStrategy>(std::move(options));
   strategy->set_name(lower);

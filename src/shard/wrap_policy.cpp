@@ -34,6 +34,29 @@ AutoWrapPolicy AutoWrapPolicy::of_predicate(
   return p;
 }
 
+AutoWrapPolicy parse_wrap_policy(const std::string& spec, const fsdp::nn::ModuleTypes& layer_types) {
+  if (spec == "layers") {
+    TORCH_CHECK(!layer_types.empty(), "[--wrap-policy] 'layers': the model names no layer types");
+    return AutoWrapPolicy::of_types(layer_types);
+  }
+  if (spec == "none") return AutoWrapPolicy::none();
+  if (spec.rfind("size:", 0) == 0) {
+    int64_t n = 0;
+    try {
+      size_t used = 0;
+      n = std::stoll(spec.substr(5), &used);
+      TORCH_CHECK(used == spec.size() - 5, "trailing characters");
+    } catch (const std::exception&) {
+      TORCH_CHECK(false, "[--wrap-policy] '", spec, "': N in size:N must be a whole number, e.g. "
+                  "size:1000000");
+    }
+    return AutoWrapPolicy::size_based(n);
+  }
+  TORCH_CHECK(false, "[--wrap-policy] unknown policy '", spec,
+              "'; valid forms: 'layers' (the model's encoder/decoder/GPT blocks), 'size:N' "
+              "(wrap modules with at least N parameters), 'none' (root unit only)");
+}
+
 namespace detail {
 
 std::vector<UnitSpec> select_units(torch::nn::Module& root, const AutoWrapPolicy& policy,

@@ -4,6 +4,7 @@
 #include "fsdp/trainer.h"
 
 #include "fsdp/ddp.h"
+#include "fsdp/fsdp_strategy.h"
 
 #include <c10/util/Exception.h>
 
@@ -29,6 +30,12 @@ const std::vector<RegistryEntry>& registry() {
        [] { return std::make_shared<DDPStrategy>(); }},
       // --- FSDP strategies: the fsdp engineer adds their names here (one line each), e.g.
       // {"fsdp", "...", [] { return std::make_shared<FSDPStrategy>(); }},
+      {"fsdp", "fully sharded data parallel (FULL_SHARD unless --sharding-strategy)", [] { return make_fsdp_strategy("fsdp"); }},
+      {"fsdp_full_shard", "FSDP: shard parameters, gradients, optimizer state", [] { return make_fsdp_strategy("fsdp_full_shard"); }},
+      {"fsdp_shard_grad_op", "FSDP: shard gradients and optimizer state", [] { return make_fsdp_strategy("fsdp_shard_grad_op"); }},
+      {"fsdp_no_shard", "FSDP engine, no sharding (DDP-like)", [] { return make_fsdp_strategy("fsdp_no_shard"); }},
+      {"fsdp_hybrid_shard", "FSDP: FULL_SHARD inside a node, replicate across", [] { return make_fsdp_strategy("fsdp_hybrid_shard"); }},
+      {"fsdp_hybrid_shard_zero2", "FSDP: SHARD_GRAD_OP inside a node, replicate across", [] { return make_fsdp_strategy("fsdp_hybrid_shard_zero2"); }},
   };
   return entries;
 }
