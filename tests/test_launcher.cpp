@@ -156,7 +156,7 @@ TEST(Launcher, CleanRunExitsZeroAndEveryRankSeesItsRank) {
 }
 
 TEST(Launcher, ThreadsAreCoresPerLocalRank) {
-  ProcResult r = run_process({helper(), "--devices", "2"}, {}, 120);
+  ProcResult r = run_process({helper(), "--devices", "2"}, {{"FSDP_NUM_THREADS", ""}}, 120);
   ASSERT_EQ(r.exit_code, 0) << r.err;
   int expected = std::max(1, fsdp::detail::available_cores() / 2);
   EXPECT_EQ(count(r.out, "threads " + std::to_string(expected) + " "), 2u) << r.out;

@@ -433,9 +433,8 @@ void run_spawn_parent(int world_size, const std::string& backend,
         << ": " << error << "\n";
   }
   for (const auto& st : sup.statuses()) {
-    if (!st.exited || !detail::failed(st.wait_status)) continue;
-    bool stopped_by_us = rank0_failed ? st.rank != primary : (primary > 0 && st.rank != primary);
-    if (stopped_by_us) continue;
+    // Ranks we stopped after another rank's failure are collateral, not failures.
+    if (!st.exited || !detail::failed(st.wait_status) || st.stopped) continue;
     failed.push_back(st.rank);
     std::string res = rank_result(dir, st.rank);
     why << "rank " << st.rank << " " << detail::describe_wait_status(st.wait_status)

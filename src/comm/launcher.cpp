@@ -134,11 +134,8 @@ void on_rank0_exit(int status, void*) {
   }
 }
 
-void set_threads(int local_ranks, const char* why) {
-  int threads = threads_per_rank(local_ranks);
-  at::set_num_threads(threads);
-  (void)why;
-}
+// Intra-op threads: cores / local ranks (DESIGN.md §2: the default here is 1 thread).
+void set_threads(int local_ranks) { at::set_num_threads(threads_per_rank(local_ranks)); }
 
 }  // namespace
 
@@ -263,7 +260,7 @@ LaunchInfo launch(const LaunchOptions& options) {
                 "num_nodes=", options.num_nodes, " but the launcher (", info.source, ") started ",
                 info.world_size, " ranks, ", info.local_world_size, " per node = ",
                 info.num_nodes, " node(s); make them agree");
-    set_threads(info.local_world_size, info.source.c_str());
+    set_threads(info.local_world_size);
     install_failure_handlers();
     launched = info;
     return info;
@@ -276,7 +273,7 @@ LaunchInfo launch(const LaunchOptions& options) {
               "--master-port <port> -- <program> <args>`, or use `srun` (SLURM) or `mpirun`");
   int devices = std::max(1, options.devices);
   if (devices == 1) {
-    set_threads(1, "single");
+    set_threads(1);
     install_failure_handlers();
     launched = info;
     return info;
@@ -324,7 +321,7 @@ LaunchInfo launch(const LaunchOptions& options) {
   sup->start(/*exit_process_on_failure=*/true);
 
   info = launch_info_from_env();
-  set_threads(devices, "spawn");
+  set_threads(devices);
   install_failure_handlers();
   launched = info;
   return info;

@@ -64,6 +64,7 @@ struct ChildStatus {
   pid_t pid = -1;
   bool exited = false;
   int wait_status = 0;  // raw waitpid status, valid when exited
+  bool stopped = false;  // the supervisor signalled it (after a failure elsewhere)
 };
 
 // How a finished process ended: "exited with status 1" / "was killed by signal 9 (Killed)".

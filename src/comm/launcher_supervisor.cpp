@@ -558,7 +558,8 @@ int Supervisor::primary_rank() const {
 std::vector<ChildStatus> Supervisor::statuses() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   std::vector<ChildStatus> out;
-  for (const auto& c : impl_->children) out.push_back({c.rank, c.pid, c.exited, c.status});
+  for (const auto& c : impl_->children)
+    out.push_back({c.rank, c.pid, c.exited, c.status, c.stopped});
   return out;
 }
 
