@@ -244,6 +244,32 @@ TEST(Models, RegistryNamesAndErrors) {
   EXPECT_THROW(Transformer{bad}, c10::Error);
 }
 
+// Mixed precision casts parameters to bf16: the models must run (and train) in bf16 on CPU.
+TEST(Models, RunInBFloat16CloseToFloat32) {
+  for (const std::string name : {"transformer-tiny", "gpt2-tiny"}) {
+    torch::manual_seed(0);
+    auto model = fsdp::demos::make_model(name, 64, 0.0);
+    at::Tensor x = random_tokens(2, 35, 64, 4);
+    at::Tensor ref = (*model)(x, x);
+    model->to(at::kBFloat16);
+    at::Tensor out = (*model)(x, x);
+    EXPECT_EQ(out.scalar_type(), at::kBFloat16) << name;
+    EXPECT_LT((out.to(at::kFloat) - ref).abs().max().item<double>(), 0.2) << name;
+    at::nll_loss(out.to(at::kFloat), x.reshape(-1)).backward();
+    for (const auto& p : model->parameters()) EXPECT_TRUE(p.grad().defined()) << name;
+  }
+}
+
+TEST(Models, DropoutOnlyInTrainingMode) {
+  for (const std::string name : {"transformer-tiny", "gpt2-tiny"}) {
+    auto model = fsdp::demos::make_model(name, 64, 0.5);
+    at::Tensor x = random_tokens(2, 35, 64, 4);
+    EXPECT_FALSE(at::equal((*model)(x, x), (*model)(x, x))) << name;
+    model->eval();
+    EXPECT_TRUE(at::equal((*model)(x, x), (*model)(x, x))) << name;
+  }
+}
+
 // Learnability of the synthetic corpus: 100 Adam steps of a tiny model, single process.
 double train_loss_ratio(const std::string& name, double* final_loss, double* first_loss) {
   const int64_t V = 64, B = 16;
