@@ -63,6 +63,7 @@ struct Args {
   bool limit_all_gathers = false;
   std::string backward_prefetch = "pre";
   bool forward_prefetch = false;
+  int hybrid_shard_size = 0;
   // Output
   std::string summary_json;
 };
@@ -218,6 +219,7 @@ int run(const Args& a, const ModelSpec& spec_in) {
     o.limit_all_gathers = a.limit_all_gathers;
     o.backward_prefetch = fsdp::parse_backward_prefetch(a.backward_prefetch);
     o.forward_prefetch = a.forward_prefetch;
+    o.hybrid_shard_size = a.hybrid_shard_size;
     t.strategy = fsdp::make_fsdp_strategy(a.strategy, o);
   }
   t.precision = a.precision;
@@ -328,6 +330,7 @@ int main(int argc, char** argv) {
   app.add_option("--prefetch,--backward-prefetch", a.backward_prefetch, "fsdp backward prefetch: pre | post | none")
       ->check(CLI::IsMember({"pre", "post", "none"}));
   app.add_flag("--forward-prefetch", a.forward_prefetch, "fsdp: all-gather the next unit during forward");
+  app.add_option("--hybrid-shard-size", a.hybrid_shard_size, "fsdp hybrid: ranks per shard group (0: one node)");
   app.add_option("--precision", a.precision, "only 32-true is supported now")
       ->check(CLI::IsMember(fsdp::Trainer::precision_names()));
   app.add_option("--max-steps", a.max_steps, "optimizer steps to take (-1: until --max-epochs)")
