@@ -68,8 +68,12 @@ TEST(Models, DeterministicForSeed) {
   for (const std::string name : {"transformer-tiny", "gpt2-tiny"}) {
     torch::manual_seed(42);
     auto a = fsdp::demos::make_model(name, 64, 0.0);
+    // ...and independent of the intra-op thread count (ranks run with cores/N threads).
+    const int threads = at::get_num_threads();
+    at::set_num_threads(threads == 1 ? 2 : 1);
     torch::manual_seed(42);
     auto b = fsdp::demos::make_model(name, 64, 0.0);
+    at::set_num_threads(threads);
     torch::manual_seed(43);
     auto c = fsdp::demos::make_model(name, 64, 0.0);
     auto pa = a->named_parameters(), pb = b->named_parameters(), pc = c->named_parameters();
