@@ -447,6 +447,7 @@ TEST(RunRanks, MpiRanks) {
 TEST(RunRanks, DISABLED_ChildFails) {
   std::string backend = std::getenv("FSDP_TEST_BACKEND") ? std::getenv("FSDP_TEST_BACKEND") : "gloo";
   fsdp::testing::run_ranks(3, backend, [](fsdp::ProcessGroup& pg) {
+    pg.barrier();  // every rank is past init_process_group before any rank ends
     EXPECT_NE(pg.rank(), 1) << "rank one disagrees on purpose";
     if (pg.rank() == 2) throw std::runtime_error("rank two throws on purpose");
   });
