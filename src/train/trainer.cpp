@@ -245,6 +245,15 @@ void Trainer::fit_impl(LightningModule& module, DataLoader& train_loader,
   distribute(train_loader, world_size(), global_rank());
   if (val_loader) distribute(*val_loader, world_size(), global_rank());
 
+  // Checkpoints (src/ckpt/trainer_checkpoint.cpp): resume sets global_step_ and the position.
+  fit_module_ = &module;
+  fit_opt_ = opt;
+  next_epoch_ = 0;
+  next_batch_ = 0;
+  if (!resume_path_.empty()) resume_from_checkpoint();
+  const int64_t start_epoch = next_epoch_;
+  const int64_t start_batch = next_batch_;
+
   const int64_t k = o.accumulate_grad_batches;
   const int64_t batches_per_epoch = limited_batches(train_loader.num_batches(),
                                                     o.limit_train_batches);
@@ -298,8 +307,8 @@ void Trainer::fit_impl(LightningModule& module, DataLoader& train_loader,
 
   const auto loop_start = Clock::now();
   Clock::time_point first_step_done;
-  bool stop = total_steps == 0;
-  for (int64_t epoch = 0; !stop && (max_epochs < 0 || epoch < max_epochs); ++epoch) {
+  bool stop = total_steps >= 0 && global_step_ >= total_steps;
+  for (int64_t epoch = start_epoch; !stop && (max_epochs < 0 || epoch < max_epochs); ++epoch) {
     current_epoch_ = epoch;
     results_.epochs = epoch + 1;
     train_loader.set_epoch(epoch);
@@ -308,7 +317,8 @@ void Trainer::fit_impl(LightningModule& module, DataLoader& train_loader,
     double loss_sum = 0;  // this rank's undivided training losses since the last step
     int64_t loss_count = 0;
 
-    for (int64_t batch_idx = 0; batch_idx < batches_per_epoch; ++batch_idx) {
+    for (int64_t batch_idx = epoch == start_epoch ? start_batch : 0;
+         batch_idx < batches_per_epoch; ++batch_idx) {
       const bool last_batch = batch_idx + 1 == batches_per_epoch;
       const bool boundary = (batch_idx + 1) % k == 0 || last_batch;
       const Batch batch = train_loader.batch(batch_idx);
@@ -355,6 +365,9 @@ void Trainer::fit_impl(LightningModule& module, DataLoader& train_loader,
           if (!row.empty()) csv->log(global_step_, epoch, row);
         }
         if (total_steps >= 0 && global_step_ >= total_steps) stop = true;
+        next_epoch_ = last_batch ? epoch + 1 : epoch;
+        next_batch_ = last_batch ? 0 : batch_idx + 1;
+        on_checkpoint_boundary();
       }
 
       if (run_val && ((val_every > 0 && (batch_idx + 1) % val_every == 0) ||
@@ -400,6 +413,10 @@ void Trainer::fit_impl(LightningModule& module, DataLoader& train_loader,
          << results_.params << " parameters";
       if (!results_.losses.empty()) {
         os << std::setprecision(4) << ", final loss " << results_.losses.back();
+      }
+      if (!results_.metrics.empty()) {
+        os << "\n[fsdp] last logged metrics:";
+        for (const auto& [name, value] : results_.metrics) os << " " << name << " " << value;
       }
       os << "\n" << table;
       print(os.str());
