@@ -63,6 +63,11 @@ int main(int argc, char** argv) {
   };
   if (info.rank == fail_rank) {
     sleep_s(delay_s);
+    std::printf("rank %d fails at %lld ms\n", info.rank,
+                static_cast<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                           std::chrono::system_clock::now().time_since_epoch())
+                                           .count()));
+    std::fflush(stdout);
     if (how == "throw") throw std::runtime_error("helper: rank " + std::to_string(info.rank) + " throws on purpose");
     if (how == "fail_rank") fsdp::fail_rank("helper: rank fails on purpose", 3);
     if (how == "abort") std::abort();

@@ -246,9 +246,8 @@ void check_options(const LaunchOptions& o) {
 
 LaunchInfo launch(const LaunchOptions& options) {
   check_options(options);
-  static std::optional<LaunchInfo> launched;
-  if (launched) return *launched;
-
+  // No caching: after spawning, rank 0's own environment says RANK=0 etc., so a second call
+  // adopts; and one test process (run_ranks) may see several worlds one after another.
   LaunchInfo info = launch_info_from_env();
   if (info.source != "none") {
     // Adopt the ranks a launcher (or our own spawner) gave.
@@ -262,7 +261,6 @@ LaunchInfo launch(const LaunchOptions& options) {
                 info.num_nodes, " node(s); make them agree");
     set_threads(info.local_world_size);
     install_failure_handlers();
-    launched = info;
     return info;
   }
 
@@ -275,7 +273,6 @@ LaunchInfo launch(const LaunchOptions& options) {
   if (devices == 1) {
     set_threads(1);
     install_failure_handlers();
-    launched = info;
     return info;
   }
   if (options.backend == "mpi") exec_through_mpirun(devices);
@@ -323,7 +320,6 @@ LaunchInfo launch(const LaunchOptions& options) {
   info = launch_info_from_env();
   set_threads(devices);
   install_failure_handlers();
-  launched = info;
   return info;
 }
 
