@@ -66,6 +66,11 @@ struct Args {
   int hybrid_shard_size = 0;
   // Output
   std::string summary_json;
+  // Checkpoints (include/fsdp/checkpoint.h)
+  std::string checkpoint_dir;
+  int64_t save_every_n_steps = 0;
+  std::string state_dict_type = "full";
+  std::string ckpt_path;
 };
 
 // What the model is made of; built on every rank from the same flags and seed.
@@ -100,7 +105,10 @@ class LanguageModel : public fsdp::LightningModule {
 
   at::Tensor training_step(const fsdp::Batch& batch, int64_t) override {
     at::Tensor loss = loss_of(batch);
-    log("train_loss", loss);  // the progress bar shows the global mean loss already
+    // sync_dist: the global mean, carried by the Trainer's one per-step all-reduce.
+    fsdp::LogOptions o;
+    o.sync_dist = true;
+    log("train_loss", loss, o);
     return loss;
   }
 
@@ -235,6 +243,9 @@ int run(const Args& a, const ModelSpec& spec_in) {
   t.default_root_dir = a.default_root_dir;
   t.seed = static_cast<int64_t>(a.seed);
   t.process_group_backend = a.backend;
+  t.checkpoint_dir = a.checkpoint_dir;
+  t.save_every_n_steps = a.save_every_n_steps;
+  t.state_dict_type = a.state_dict_type;
   fsdp::Trainer trainer(t);  // devices > 1: the other ranks start here and run main() again
 
   ModelSpec spec = spec_in;
@@ -257,9 +268,15 @@ int run(const Args& a, const ModelSpec& spec_in) {
                 trainer.strategy()->name() + ", world " + std::to_string(trainer.world_size()) +
                 ", batch " + std::to_string(a.batch_size) + " per rank");
   if (val_loader && val_loader->num_batches() > 0) {
-    trainer.fit(model, train_loader, *val_loader);
-  } else {
+    if (a.ckpt_path.empty()) {
+      trainer.fit(model, train_loader, *val_loader);
+    } else {
+      trainer.fit(model, train_loader, *val_loader, a.ckpt_path);
+    }
+  } else if (a.ckpt_path.empty()) {
     trainer.fit(model, train_loader);
+  } else {
+    trainer.fit(model, train_loader, a.ckpt_path);
   }
 
   const fsdp::FitResults& r = trainer.results();
@@ -383,6 +400,15 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   // Output
   app.add_option("--summary-json", a.summary_json, "write the run summary (losses, it/s, memory) as JSON here");
+  // Checkpoints
+  app.add_option("--checkpoint-dir", a.checkpoint_dir,
+                 "save DIR/step-<k> every --save-every-n-steps steps, and DIR/last");
+  app.add_option("--save-every-n-steps", a.save_every_n_steps, "checkpoint period in optimizer steps (0: off)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--state-dict-type", a.state_dict_type, "checkpoint format: full | sharded")
+      ->check(CLI::IsMember({"full", "sharded"}));
+  app.add_option("--ckpt-path", a.ckpt_path,
+                 "resume from this checkpoint (e.g. DIR/last); --max-steps counts from the start");
 
   try {
     app.parse(argc, argv);
