@@ -60,6 +60,15 @@ void check_every_op(ProcessGroup& pg) {
             << "all_gather chunk " << q;
       }
     }
+    {  // in-place all-gather: the input is this rank's chunk of the output (FSDP's copy-in)
+      auto out = at::zeros({7 * w}, at::TensorOptions().dtype(dtype));
+      out.narrow(0, r * 7, 7).copy_(rank_values(r, 7, dtype, 9));
+      pg.all_gather_into_tensor(out, out.narrow(0, r * 7, 7));
+      for (int q = 0; q < w; ++q) {
+        EXPECT_TRUE(at::equal(out.narrow(0, q * 7, 7), rank_values(q, 7, dtype, 9)))
+            << "in-place all_gather chunk " << q;
+      }
+    }
     for (auto op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax}) {
       SCOPED_TRACE(std::string("op ") + fsdp::to_string(op));
       const int64_t salt = static_cast<int64_t>(op) + 1;
