@@ -48,22 +48,24 @@ at::Tensor MultiheadAttention::forward(const fsdp::nn::Inputs& inputs) {
     // Fused in-projection: one (B*T, E) x (E, 3E) matmul, then split heads with one copy.
     at::Tensor qkv = at::linear(query, in_proj_weight, in_proj_bias);  // (B, T, 3E)
     qkv = qkv.view({B, T, 3, H, D}).permute({2, 0, 3, 1, 4}).contiguous();  // (3, B, H, T, D)
-    q = qkv[0].view({B * H, T, D});
-    k = qkv[1].view({B * H, T, D});
-    v = qkv[2].view({B * H, T, D});
+    // unbind (not three selects): its backward stacks the grads instead of zero-filling thrice.
+    auto parts = qkv.view({3, B * H, T, D}).unbind(0);
+    q = parts[0], k = parts[1], v = parts[2];
   } else {
     TORCH_CHECK(key_value.dim() == 3 && key_value.size(0) == B && key_value.size(2) == E,
                 "[MultiheadAttention] key/value must be (", B, ", seq, ", E, "), got ",
                 key_value.sizes());
     S = key_value.size(1);
-    // Cross-attention: q from the query rows of in_proj, k and v (fused) from the rest.
-    q = at::linear(query, in_proj_weight.narrow(0, 0, E), in_proj_bias.narrow(0, 0, E));
+    // Cross-attention: q from the query rows of in_proj, k and v (fused) from the rest. split
+    // (not narrow): its backward concatenates the grads instead of zero-filling (3E, E) twice.
+    auto w = in_proj_weight.split_with_sizes({E, 2 * E});  // (E, E), (2E, E)
+    auto b = in_proj_bias.split_with_sizes({E, 2 * E});    // (E), (2E)
+    q = at::linear(query, w[0], b[0]);                     // (B, T, E)
     q = q.view({B, T, H, D}).transpose(1, 2).reshape({B * H, T, D});
-    at::Tensor kv = at::linear(key_value, in_proj_weight.narrow(0, E, 2 * E),
-                               in_proj_bias.narrow(0, E, 2 * E));  // (B, S, 2E)
+    at::Tensor kv = at::linear(key_value, w[1], b[1]);     // (B, S, 2E)
     kv = kv.view({B, S, 2, H, D}).permute({2, 0, 3, 1, 4}).contiguous();  // (2, B, H, S, D)
-    k = kv[0].view({B * H, S, D});
-    v = kv[1].view({B * H, S, D});
+    auto parts = kv.view({2, B * H, S, D}).unbind(0);
+    k = parts[0], v = parts[1];
   }
 
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
