@@ -5,9 +5,9 @@
 //   fsdp-run -n 4 -- build/bin/fsdp-train --devices 4 ...
 //   fsdp-run -n 2 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 -- prog
 //   fsdp-run -n 4 --backend mpi -- prog        (runs `mpirun -n 4 ... prog`, see Note [MPI launch])
-#include <CLI/CLI.hpp>
 #include <signal.h>
 #include <unistd.h>
+#include <CLI/CLI.hpp>
 
 #include <cstdio>
 #include <iostream>
@@ -55,12 +55,13 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   try {
-    TORCH_CHECK(node_rank < nnodes, "[fsdp-run] --node-rank ", node_rank, " must be below --nnodes ",
-                nnodes);
+    TORCH_CHECK(node_rank < nnodes, "[fsdp-run] --node-rank ", node_rank,
+                " must be below --nnodes ", nnodes);
     if (master_port == 0 && has_env("MASTER_PORT"))
       master_port = std::atoi(get_env("MASTER_PORT").c_str());
     if (master_port == 0) {
-      TORCH_CHECK(nnodes == 1, "[fsdp-run] --nnodes ", nnodes, " needs --master-port (the same "
+      TORCH_CHECK(nnodes == 1, "[fsdp-run] --nnodes ", nnodes,
+                  " needs --master-port (the same "
                   "port on every node; rank 0's node listens on it)");
       master_port = free_port();
     }
@@ -68,8 +69,11 @@ int main(int argc, char** argv) {
     int threads = threads_per_rank(nproc);
 
     if (backend == "mpi") {
-      TORCH_CHECK(nnodes == 1, "[fsdp-run] --backend mpi with --nnodes ", nnodes, ": run mpirun "
-                  "yourself with a hostfile (`mpirun -n ", world, " --hostfile hosts prog`); "
+      TORCH_CHECK(nnodes == 1, "[fsdp-run] --backend mpi with --nnodes ", nnodes,
+                  ": run mpirun "
+                  "yourself with a hostfile (`mpirun -n ",
+                  world,
+                  " --hostfile hosts prog`); "
                   "the program adopts mpirun's ranks");
       std::vector<std::string> mpi = mpirun_prefix(nproc);
       mpi.insert(mpi.end(), command.begin(), command.end());

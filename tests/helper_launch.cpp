@@ -29,14 +29,22 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto next = [&] { return std::string(i + 1 < argc ? argv[++i] : ""); };
-    if (a == "--devices") options.devices = std::atoi(next().c_str());
-    else if (a == "--backend") options.backend = next();
-    else if (a == "--fail-rank") fail_rank = std::atoi(next().c_str());
-    else if (a == "--how") how = next();
-    else if (a == "--delay") delay_s = std::atof(next().c_str());
-    else if (a == "--survivor-wait") survivor_s = std::atof(next().c_str());
-    else if (a == "--rank0-status") rank0_status = std::atoi(next().c_str());
-    else if (a == "--collective") collective = true;
+    if (a == "--devices")
+      options.devices = std::atoi(next().c_str());
+    else if (a == "--backend")
+      options.backend = next();
+    else if (a == "--fail-rank")
+      fail_rank = std::atoi(next().c_str());
+    else if (a == "--how")
+      how = next();
+    else if (a == "--delay")
+      delay_s = std::atof(next().c_str());
+    else if (a == "--survivor-wait")
+      survivor_s = std::atof(next().c_str());
+    else if (a == "--rank0-status")
+      rank0_status = std::atoi(next().c_str());
+    else if (a == "--collective")
+      collective = true;
     else {
       std::fprintf(stderr, "helper_launch: unknown argument %s\n", a.c_str());
       return 2;
@@ -44,8 +52,8 @@ int main(int argc, char** argv) {
   }
   fsdp::LaunchInfo info = fsdp::launch(options);
   std::printf("rank %d world %d local %d/%d node %d/%d source %s threads %d pid %d port %d\n",
-              info.rank, info.world_size, info.local_rank, info.local_world_size,
-              info.node_rank, info.num_nodes, info.source.c_str(), at::get_num_threads(),
+              info.rank, info.world_size, info.local_rank, info.local_world_size, info.node_rank,
+              info.num_nodes, info.source.c_str(), at::get_num_threads(),
               static_cast<int>(::getpid()), info.master_port);
   std::fflush(stdout);
 
@@ -58,9 +66,7 @@ int main(int argc, char** argv) {
     std::printf("rank %d joined the group\n", info.rank);
     std::fflush(stdout);
   }
-  auto sleep_s = [](double s) {
-    std::this_thread::sleep_for(std::chrono::duration<double>(s));
-  };
+  auto sleep_s = [](double s) { std::this_thread::sleep_for(std::chrono::duration<double>(s)); };
   if (info.rank == fail_rank) {
     sleep_s(delay_s);
     std::printf("rank %d fails at %lld ms\n", info.rank,
@@ -68,7 +74,8 @@ int main(int argc, char** argv) {
                                            std::chrono::system_clock::now().time_since_epoch())
                                            .count()));
     std::fflush(stdout);
-    if (how == "throw") throw std::runtime_error("helper: rank " + std::to_string(info.rank) + " throws on purpose");
+    if (how == "throw")
+      throw std::runtime_error("helper: rank " + std::to_string(info.rank) + " throws on purpose");
     if (how == "fail_rank") fsdp::fail_rank("helper: rank fails on purpose", 3);
     if (how == "abort") std::abort();
     if (how == "sigkill") ::raise(SIGKILL);

@@ -28,7 +28,8 @@ std::string helper() {
 std::vector<int> printed_pids(const std::string& out) {
   std::vector<int> pids;
   std::regex re("pid ([0-9]+)");
-  for (auto it = std::sregex_iterator(out.begin(), out.end(), re); it != std::sregex_iterator(); ++it)
+  for (auto it = std::sregex_iterator(out.begin(), out.end(), re); it != std::sregex_iterator();
+       ++it)
     pids.push_back(std::stoi((*it)[1]));
   return pids;
 }
@@ -67,8 +68,10 @@ class EnvGuard {
   }
   ~EnvGuard() {
     for (const auto& [k, v] : saved_) {
-      if (v) ::setenv(k.c_str(), v->c_str(), 1);
-      else ::unsetenv(k.c_str());
+      if (v)
+        ::setenv(k.c_str(), v->c_str(), 1);
+      else
+        ::unsetenv(k.c_str());
     }
   }
 
@@ -78,14 +81,32 @@ class EnvGuard {
     const char* v = std::getenv(k.c_str());
     saved_[k] = v ? std::optional<std::string>(v) : std::nullopt;
   }
-  static constexpr const char* kAll[] = {
-      "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
-      "MASTER_ADDR", "MASTER_PORT", "FSDP_LAUNCHER", "OMPI_COMM_WORLD_RANK",
-      "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE",
-      "OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE", "SLURM_PROCID", "SLURM_NTASKS",
-      "SLURM_LOCALID", "SLURM_NNODES", "SLURM_JOB_NUM_NODES", "SLURM_NTASKS_PER_NODE",
-      "SLURM_TASKS_PER_NODE", "SLURM_NODEID", "SLURM_JOB_NODELIST", "SLURM_NODELIST",
-      "SLURM_JOB_ID"};
+  static constexpr const char* kAll[] = {"RANK",
+                                         "WORLD_SIZE",
+                                         "LOCAL_RANK",
+                                         "LOCAL_WORLD_SIZE",
+                                         "GROUP_RANK",
+                                         "NODE_RANK",
+                                         "MASTER_ADDR",
+                                         "MASTER_PORT",
+                                         "FSDP_LAUNCHER",
+                                         "OMPI_COMM_WORLD_RANK",
+                                         "OMPI_COMM_WORLD_SIZE",
+                                         "OMPI_COMM_WORLD_LOCAL_RANK",
+                                         "OMPI_COMM_WORLD_LOCAL_SIZE",
+                                         "OMPI_MCA_ess_base_jobid",
+                                         "PMIX_NAMESPACE",
+                                         "SLURM_PROCID",
+                                         "SLURM_NTASKS",
+                                         "SLURM_LOCALID",
+                                         "SLURM_NNODES",
+                                         "SLURM_JOB_NUM_NODES",
+                                         "SLURM_NTASKS_PER_NODE",
+                                         "SLURM_TASKS_PER_NODE",
+                                         "SLURM_NODEID",
+                                         "SLURM_JOB_NODELIST",
+                                         "SLURM_NODELIST",
+                                         "SLURM_JOB_ID"};
   std::map<std::string, std::optional<std::string>> saved_;
 };
 
@@ -103,16 +124,22 @@ struct FailureCase {
 };
 
 ProcResult run_failure(const FailureCase& c) {
-  std::vector<std::string> argv = {helper(), "--devices", std::to_string(c.world), "--fail-rank",
-                                   std::to_string(c.fail_rank), "--how", c.how,
-                                   "--survivor-wait", std::to_string(kSurvivorWaitS)};
+  std::vector<std::string> argv = {helper(),
+                                   "--devices",
+                                   std::to_string(c.world),
+                                   "--fail-rank",
+                                   std::to_string(c.fail_rank),
+                                   "--how",
+                                   c.how,
+                                   "--survivor-wait",
+                                   std::to_string(kSurvivorWaitS)};
   if (c.collective) argv.push_back("--collective");
   return run_process(argv, {}, 2 * kSurvivorWaitS);
 }
 
 void check_failure(const FailureCase& c, const ProcResult& r) {
-  SCOPED_TRACE("how=" + c.how + " rank=" + std::to_string(c.fail_rank) + " world=" +
-               std::to_string(c.world) + (c.collective ? " collective" : ""));
+  SCOPED_TRACE("how=" + c.how + " rank=" + std::to_string(c.fail_rank) +
+               " world=" + std::to_string(c.world) + (c.collective ? " collective" : ""));
   SCOPED_TRACE("stdout:\n" + r.out + "\nstderr:\n" + r.err);
   EXPECT_NE(r.exit_code, 0);
   // Ended by the launcher, not by the survivors' own wait running out.
@@ -142,14 +169,15 @@ TEST(Launcher, CleanRunExitsZeroAndEveryRankSeesItsRank) {
   ProcResult r = run_process({helper(), "--devices", "3"}, {{"FSDP_NUM_THREADS", "2"}}, 120);
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   for (int rank = 0; rank < 3; ++rank) {
-    std::string line = "rank " + std::to_string(rank) + " world 3 local " +
-                       std::to_string(rank) + "/3 node 0/1 source spawn threads 2";
+    std::string line = "rank " + std::to_string(rank) + " world 3 local " + std::to_string(rank) +
+                       "/3 node 0/1 source spawn threads 2";
     EXPECT_EQ(count(r.out, line), 1u) << line << "\n" << r.out;
   }
   // All ranks agree on one master port.
   std::regex re("port ([0-9]+)");
   std::set<std::string> ports;
-  for (auto it = std::sregex_iterator(r.out.begin(), r.out.end(), re); it != std::sregex_iterator(); ++it)
+  for (auto it = std::sregex_iterator(r.out.begin(), r.out.end(), re); it != std::sregex_iterator();
+       ++it)
     ports.insert((*it)[1]);
   EXPECT_EQ(ports.size(), 1u);
   for (int pid : printed_pids(r.out)) EXPECT_TRUE(process_gone(pid));
@@ -163,7 +191,8 @@ TEST(Launcher, ThreadsAreCoresPerLocalRank) {
 }
 
 TEST(Launcher, RankThrows) {
-  FailureCase c{"throw", 2, 3, false, "fsdp: rank 2 exited with status 1; stopping all 3 ranks", true};
+  FailureCase c{"throw", 2, 3, false, "fsdp: rank 2 exited with status 1; stopping all 3 ranks",
+                true};
   auto r = run_failure(c);
   check_failure(c, r);
   EXPECT_NE(r.err.find("[rank 2] error: uncaught exception: helper: rank 2 throws on purpose"),
@@ -181,21 +210,24 @@ TEST(Launcher, RankIsSigkilled) {
 }
 
 TEST(Launcher, RankExitsNonZeroAndItsStatusIsTheJobs) {
-  FailureCase c{"exit", 1, 3, false, "fsdp: rank 1 exited with status 7; stopping all 3 ranks", false};
+  FailureCase c{"exit", 1, 3, false, "fsdp: rank 1 exited with status 7; stopping all 3 ranks",
+                false};
   auto r = run_failure(c);
   check_failure(c, r);
   EXPECT_EQ(r.exit_code, 7);
 }
 
 TEST(Launcher, FailRankUsesItsExitCode) {
-  FailureCase c{"fail_rank", 2, 3, false, "fsdp: rank 2 exited with status 3; stopping all 3 ranks", true};
+  FailureCase c{"fail_rank", 2, 3, false, "fsdp: rank 2 exited with status 3; stopping all 3 ranks",
+                true};
   auto r = run_failure(c);
   check_failure(c, r);
   EXPECT_EQ(r.exit_code, 3);
 }
 
 TEST(Launcher, RankZeroThrowsAndTakesTheChildrenDown) {
-  FailureCase c{"throw", 0, 3, false, "fsdp: rank 0 exited with status 1; stopping all 3 ranks", true};
+  FailureCase c{"throw", 0, 3, false, "fsdp: rank 0 exited with status 1; stopping all 3 ranks",
+                true};
   check_failure(c, run_failure(c));
 }
 
@@ -208,7 +240,8 @@ TEST(Launcher, RankZeroReturnsNonZero) {
 
 // Survivors blocked in a real collective: their "connection closed" errors must not show.
 TEST(Launcher, RankThrowsWhileOthersWaitInABarrier) {
-  FailureCase c{"throw", 1, 3, true, "fsdp: rank 1 exited with status 1; stopping all 3 ranks", true};
+  FailureCase c{"throw", 1, 3, true, "fsdp: rank 1 exited with status 1; stopping all 3 ranks",
+                true};
   check_failure(c, run_failure(c));
 }
 
@@ -224,8 +257,8 @@ TEST(Launcher, CollectiveRunExitsZero) {
 }
 
 TEST(Launcher, MpiBackendGoesThroughMpirun) {
-  ProcResult r = run_process({helper(), "--devices", "2", "--backend", "mpi", "--collective"},
-                             {}, 120);
+  ProcResult r =
+      run_process({helper(), "--devices", "2", "--backend", "mpi", "--collective"}, {}, 120);
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   EXPECT_EQ(count(r.out, "world 2"), 2u) << r.out;
   EXPECT_EQ(count(r.out, "source mpirun"), 2u) << r.out;
@@ -234,8 +267,7 @@ TEST(Launcher, MpiBackendGoesThroughMpirun) {
 
 TEST(Launcher, MpiRankFailureEndsTheJob) {
   ProcResult r = run_process({helper(), "--devices", "3", "--backend", "mpi", "--fail-rank", "1",
-                              "--how", "throw", "--survivor-wait",
-                              std::to_string(kSurvivorWaitS)},
+                              "--how", "throw", "--survivor-wait", std::to_string(kSurvivorWaitS)},
                              {}, 2 * kSurvivorWaitS);
   EXPECT_NE(r.exit_code, 0);
   EXPECT_LT(r.seconds, kSurvivorWaitS / 2);
@@ -244,12 +276,12 @@ TEST(Launcher, MpiRankFailureEndsTheJob) {
 }
 
 TEST(FsdpRun, EachRankSeesItsRank) {
-  ProcResult r = run_process({fsdp::testing::bin_path("fsdp-run"), "-n", "3", "--", helper()},
-                             {}, 120);
+  ProcResult r =
+      run_process({fsdp::testing::bin_path("fsdp-run"), "-n", "3", "--", helper()}, {}, 120);
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   for (int rank = 0; rank < 3; ++rank) {
-    std::string line = "rank " + std::to_string(rank) + " world 3 local " +
-                       std::to_string(rank) + "/3 node 0/1 source fsdp-run";
+    std::string line = "rank " + std::to_string(rank) + " world 3 local " + std::to_string(rank) +
+                       "/3 node 0/1 source fsdp-run";
     EXPECT_EQ(count(r.out, line), 1u) << line << "\n" << r.out;
   }
 }
@@ -445,7 +477,8 @@ TEST(RunRanks, MpiRanks) {
 
 // Run by RunRanks.FailureNamesTheRank in a separate process (the test must fail there).
 TEST(RunRanks, DISABLED_ChildFails) {
-  std::string backend = std::getenv("FSDP_TEST_BACKEND") ? std::getenv("FSDP_TEST_BACKEND") : "gloo";
+  std::string backend =
+      std::getenv("FSDP_TEST_BACKEND") ? std::getenv("FSDP_TEST_BACKEND") : "gloo";
   fsdp::testing::run_ranks(3, backend, [](fsdp::ProcessGroup& pg) {
     pg.barrier();  // every rank is past init_process_group before any rank ends
     EXPECT_NE(pg.rank(), 1) << "rank one disagrees on purpose";
@@ -455,9 +488,10 @@ TEST(RunRanks, DISABLED_ChildFails) {
 
 TEST(RunRanks, FailureNamesTheRank) {
   for (std::string backend : {"gloo", "mpi"}) {
-    ProcResult r = run_process({fsdp::detail::self_exe(), "--gtest_filter=RunRanks.DISABLED_ChildFails",
-                                "--gtest_also_run_disabled_tests"},
-                               {{"FSDP_TEST_BACKEND", backend}}, 300);
+    ProcResult r =
+        run_process({fsdp::detail::self_exe(), "--gtest_filter=RunRanks.DISABLED_ChildFails",
+                     "--gtest_also_run_disabled_tests"},
+                    {{"FSDP_TEST_BACKEND", backend}}, 300);
     SCOPED_TRACE(backend + "\nstdout:\n" + r.out + "\nstderr:\n" + r.err);
     EXPECT_NE(r.exit_code, 0);
     std::string all = r.out + r.err;

@@ -50,7 +50,7 @@ TEST_F(Memory, PeakTracksTheHighWaterMark) {
   EXPECT_EQ(base.peak_bytes, base.current_bytes);
   EXPECT_EQ(base.num_allocs, 0);
   {
-    at::Tensor a = at::empty({1 << 20}, at::kByte);  // 1 MiB
+    at::Tensor a = at::empty({1 << 20}, at::kByte);    // 1 MiB
     at::Tensor b = at::empty({1 << 19}, at::kDouble);  // 4 MiB
   }
   at::Tensor c = at::empty({1 << 18}, at::kFloat);  // 1 MiB, after a and b were freed

@@ -18,13 +18,13 @@
 // Children's stdout/stderr are not filtered here: in a test every rank's failure matters.
 #include "testing.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
-#include <fcntl.h>
-#include <poll.h>
 
 #include <ATen/Parallel.h>
 
@@ -120,8 +120,10 @@ class ScopedEnv {
   }
   ~ScopedEnv() {
     for (const auto& [k, v] : saved_) {
-      if (v) ::setenv(k.c_str(), v->c_str(), 1);
-      else ::unsetenv(k.c_str());
+      if (v)
+        ::setenv(k.c_str(), v->c_str(), 1);
+      else
+        ::unsetenv(k.c_str());
     }
   }
 
@@ -136,13 +138,13 @@ std::vector<std::string> child_argv(const std::string& test) {
 
 // Variables a child must not inherit: they would select other tests or write gtest's XML.
 const std::vector<std::string> kDropFromChildEnv = {
-    "GTEST_FILTER", "GTEST_SHARD_INDEX", "GTEST_TOTAL_SHARDS", "GTEST_OUTPUT",
-    "GTEST_REPEAT", "RANK", "LOCAL_RANK", detail::kEnvNotifyFd};
+    "GTEST_FILTER", "GTEST_SHARD_INDEX", "GTEST_TOTAL_SHARDS", "GTEST_OUTPUT", "GTEST_REPEAT",
+    "RANK",         "LOCAL_RANK",        detail::kEnvNotifyFd};
 
 std::string make_result_dir() {
   std::string tmpl = (fs::temp_directory_path() / "fsdp-ranks-XXXXXX").string();
-  TORCH_CHECK(::mkdtemp(tmpl.data()) != nullptr, "[run_ranks] mkdtemp failed: ",
-              std::strerror(errno));
+  TORCH_CHECK(::mkdtemp(tmpl.data()) != nullptr,
+              "[run_ranks] mkdtemp failed: ", std::strerror(errno));
   return tmpl;
 }
 
@@ -320,8 +322,7 @@ void run_mpi_parent(int world_size, const std::function<void(ProcessGroup&)>& bo
     if (res == "ok") continue;
     failed.push_back(rank);
     why << "rank " << rank << ": "
-        << (res.empty() ? "did not finish (killed or crashed; see mpirun's output above)\n"
-                        : res);
+        << (res.empty() ? "did not finish (killed or crashed; see mpirun's output above)\n" : res);
   }
   std::error_code ec;
   fs::remove_all(dir, ec);
@@ -427,8 +428,9 @@ void run_spawn_parent(int world_size, const std::string& backend,
   std::vector<int> failed;
   if (!error.empty()) {
     failed.push_back(0);
-    why << "rank 0 threw" << (primary > 0 ? " (after rank " + std::to_string(primary) + " failed)" : "")
-        << ": " << error << "\n";
+    why << "rank 0 threw"
+        << (primary > 0 ? " (after rank " + std::to_string(primary) + " failed)" : "") << ": "
+        << error << "\n";
   }
   for (const auto& st : sup.statuses()) {
     // Ranks we stopped after another rank's failure are collateral, not failures.
@@ -451,7 +453,9 @@ void run_spawn_parent(int world_size, const std::string& backend,
 
 }  // namespace
 
-bool in_child_rank() { return get_env(kEnvChild) == "1"; }
+bool in_child_rank() {
+  return get_env(kEnvChild) == "1";
+}
 
 void run_ranks(int world_size, const std::string& backend,
                const std::function<void(ProcessGroup& world)>& body) {

@@ -135,11 +135,15 @@ void on_rank0_exit(int status, void*) {
 }
 
 // Intra-op threads: cores / local ranks (DESIGN.md §2: the default here is 1 thread).
-void set_threads(int local_ranks) { at::set_num_threads(threads_per_rank(local_ranks)); }
+void set_threads(int local_ranks) {
+  at::set_num_threads(threads_per_rank(local_ranks));
+}
 
 }  // namespace
 
-Supervisor* launch_supervisor() { return g_supervisor; }
+Supervisor* launch_supervisor() {
+  return g_supervisor;
+}
 
 void send_failure_notice() {
   int fd = g_notify_fd.load();
@@ -253,12 +257,13 @@ LaunchInfo launch(const LaunchOptions& options) {
     // Adopt the ranks a launcher (or our own spawner) gave.
     TORCH_CHECK(options.devices <= 0 || options.devices == info.local_world_size, "[launch] ",
                 "devices=", options.devices, " but the launcher (", info.source, ") started ",
-                info.local_world_size, " rank(s) on this node (LOCAL_WORLD_SIZE); make them "
+                info.local_world_size,
+                " rank(s) on this node (LOCAL_WORLD_SIZE); make them "
                 "agree, or pass devices=0 to take the launcher's count");
     TORCH_CHECK(options.devices <= 0 || options.num_nodes == info.num_nodes, "[launch] ",
                 "num_nodes=", options.num_nodes, " but the launcher (", info.source, ") started ",
-                info.world_size, " ranks, ", info.local_world_size, " per node = ",
-                info.num_nodes, " node(s); make them agree");
+                info.world_size, " ranks, ", info.local_world_size, " per node = ", info.num_nodes,
+                " node(s); make them agree");
     set_threads(info.local_world_size);
     install_failure_handlers();
     return info;
@@ -267,7 +272,9 @@ LaunchInfo launch(const LaunchOptions& options) {
   TORCH_CHECK(options.num_nodes == 1, "[launch] num_nodes=", options.num_nodes,
               " but this process was not started by a launcher, and a program cannot start "
               "ranks on other machines by itself. On each node run `fsdp-run -n <devices> "
-              "--nnodes ", options.num_nodes, " --node-rank <k> --master-addr <node 0's address> "
+              "--nnodes ",
+              options.num_nodes,
+              " --node-rank <k> --master-addr <node 0's address> "
               "--master-port <port> -- <program> <args>`, or use `srun` (SLURM) or `mpirun`");
   int devices = std::max(1, options.devices);
   if (devices == 1) {

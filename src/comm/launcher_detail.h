@@ -17,7 +17,7 @@ namespace fsdp::detail {
 
 // Environment variables the launcher sets or reads (see README "Launcher").
 constexpr const char* kEnvNotifyFd = "FSDP_LAUNCH_NOTIFY_FD";  // see Note [Failure notice]
-constexpr const char* kEnvLauncher = "FSDP_LAUNCHER";  // "spawn" | "fsdp-run" | "test"
+constexpr const char* kEnvLauncher = "FSDP_LAUNCHER";          // "spawn" | "fsdp-run" | "test"
 constexpr const char* kEnvNumThreads = "FSDP_NUM_THREADS";
 
 std::string get_env(const char* name, const std::string& fallback = "");
@@ -63,7 +63,7 @@ struct ChildStatus {
   int rank = 0;
   pid_t pid = -1;
   bool exited = false;
-  int wait_status = 0;  // raw waitpid status, valid when exited
+  int wait_status = 0;   // raw waitpid status, valid when exited
   bool stopped = false;  // the supervisor signalled it (after a failure elsewhere)
 };
 
@@ -111,7 +111,7 @@ struct SupervisorOptions {
   // After a child failed, let the others finish by themselves this long before stopping them
   // (run_ranks: so every failing rank of a test gets to report; launchers: 0).
   double stop_delay_s = 0.0;
-  std::string who = "fsdp";    // prefix of the launcher's own lines
+  std::string who = "fsdp";  // prefix of the launcher's own lines
 };
 
 class Supervisor {

@@ -9,8 +9,8 @@
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
-#include <cstring>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <thread>
@@ -39,8 +39,8 @@ int env_int(const char* name, const char* launcher) {
               "; set it or unset the other launcher variables");
   char* end = nullptr;
   long v = std::strtol(text.c_str(), &end, 10);
-  TORCH_CHECK(end != text.c_str() && *end == '\0' && v >= 0 && v < (1L << 30), "[launch] ",
-              name, "='", text, "' is not a non-negative integer (set by ", launcher, ")");
+  TORCH_CHECK(end != text.c_str() && *end == '\0' && v >= 0 && v < (1L << 30), "[launch] ", name,
+              "='", text, "' is not a non-negative integer (set by ", launcher, ")");
   return static_cast<int>(v);
 }
 
@@ -69,8 +69,8 @@ void validate(const LaunchInfo& info, const char* launcher) {
   TORCH_CHECK(info.local_world_size >= 1 && info.local_rank < info.local_world_size, "[launch] ",
               launcher, " says local rank ", info.local_rank, " of ", info.local_world_size,
               " local ranks; the local rank must be below the local world size");
-  TORCH_CHECK(info.node_rank < info.num_nodes, "[launch] ", launcher, " says node ",
-              info.node_rank, " of ", info.num_nodes, " nodes");
+  TORCH_CHECK(info.node_rank < info.num_nodes, "[launch] ", launcher, " says node ", info.node_rank,
+              " of ", info.num_nodes, " nodes");
 }
 
 }  // namespace
@@ -126,8 +126,8 @@ int threads_per_rank(int local_ranks) {
 
 int free_port() {
   int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  TORCH_CHECK(fd >= 0, "[launch] cannot create a socket to find a free port: ",
-              std::strerror(errno));
+  TORCH_CHECK(fd >= 0,
+              "[launch] cannot create a socket to find a free port: ", std::strerror(errno));
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
@@ -161,7 +161,8 @@ std::vector<std::string> self_argv() {
     }
   }
   if (start < all.size()) argv.push_back(all.substr(start));
-  TORCH_CHECK(!argv.empty(), "[launch] cannot read this program's arguments from /proc/self/cmdline");
+  TORCH_CHECK(!argv.empty(),
+              "[launch] cannot read this program's arguments from /proc/self/cmdline");
   return argv;
 }
 
@@ -239,11 +240,11 @@ LaunchInfo launch_info_from_env() {
     info.local_rank = has_local ? detail::env_int("LOCAL_RANK", who) : info.rank;
     // Without LOCAL_WORLD_SIZE all ranks are taken to be on this node.
     info.local_world_size = detail::env_int_or("LOCAL_WORLD_SIZE", info.world_size, who);
-    info.num_nodes = std::max(
-        1, (info.world_size + info.local_world_size - 1) / info.local_world_size);
+    info.num_nodes =
+        std::max(1, (info.world_size + info.local_world_size - 1) / info.local_world_size);
     int node_default = info.rank / info.local_world_size;
-    info.node_rank = detail::env_int_or(
-        "GROUP_RANK", detail::env_int_or("NODE_RANK", node_default, who), who);
+    info.node_rank =
+        detail::env_int_or("GROUP_RANK", detail::env_int_or("NODE_RANK", node_default, who), who);
     info.master_addr = get_env("MASTER_ADDR", "127.0.0.1");
     info.master_port = detail::env_int_or("MASTER_PORT", 0, who);
     detail::validate(info, who);
@@ -255,12 +256,11 @@ LaunchInfo launch_info_from_env() {
     info.rank = detail::env_int("OMPI_COMM_WORLD_RANK", who);
     info.world_size = detail::env_int("OMPI_COMM_WORLD_SIZE", who);
     info.local_rank = detail::env_int_or("OMPI_COMM_WORLD_LOCAL_RANK", info.rank, who);
-    info.local_world_size =
-        detail::env_int_or("OMPI_COMM_WORLD_LOCAL_SIZE", info.world_size, who);
+    info.local_world_size = detail::env_int_or("OMPI_COMM_WORLD_LOCAL_SIZE", info.world_size, who);
     // OpenMPI has no node index variable; with the default by-slot mapping ranks are laid
     // out node after node.
-    info.num_nodes = std::max(
-        1, (info.world_size + info.local_world_size - 1) / info.local_world_size);
+    info.num_nodes =
+        std::max(1, (info.world_size + info.local_world_size - 1) / info.local_world_size);
     info.node_rank = info.rank / info.local_world_size;
     info.master_addr = get_env("MASTER_ADDR", "127.0.0.1");
     info.master_port = has_env("MASTER_PORT")
@@ -276,8 +276,8 @@ LaunchInfo launch_info_from_env() {
     info.rank = detail::env_int("SLURM_PROCID", who);
     info.world_size = detail::env_int("SLURM_NTASKS", who);
     info.local_rank = detail::env_int_or("SLURM_LOCALID", 0, who);
-    info.num_nodes = detail::env_int_or(
-        "SLURM_NNODES", detail::env_int_or("SLURM_JOB_NUM_NODES", 1, who), who);
+    info.num_nodes =
+        detail::env_int_or("SLURM_NNODES", detail::env_int_or("SLURM_JOB_NUM_NODES", 1, who), who);
     int per_node = detail::leading_int(get_env("SLURM_NTASKS_PER_NODE"));
     if (per_node <= 0) per_node = detail::leading_int(get_env("SLURM_TASKS_PER_NODE"));
     if (per_node <= 0) per_node = std::max(1, info.world_size / std::max(1, info.num_nodes));

@@ -36,7 +36,9 @@ void write_all(int fd, const char* data, size_t n) {
   }
 }
 
-void write_all(int fd, const std::string& s) { write_all(fd, s.data(), s.size()); }
+void write_all(int fd, const std::string& s) {
+  write_all(fd, s.data(), s.size());
+}
 
 double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
@@ -49,7 +51,8 @@ std::string describe_wait_status(int status) {
   if (WIFSIGNALED(status)) {
     int sig = WTERMSIG(status);
     const char* name = ::strsignal(sig);
-    return "was killed by signal " + std::to_string(sig) + (name ? std::string(" (") + name + ")" : "");
+    return "was killed by signal " + std::to_string(sig) +
+           (name ? std::string(" (") + name + ")" : "");
   }
   return "ended with wait status " + std::to_string(status);
 }
@@ -60,7 +63,9 @@ int exit_code_of(int status) {
   return 1;
 }
 
-bool failed(int status) { return !(WIFEXITED(status) && WEXITSTATUS(status) == 0); }
+bool failed(int status) {
+  return !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+}
 
 struct Supervisor::Impl {
   struct Child {
@@ -70,9 +75,9 @@ struct Supervisor::Impl {
     std::string buf;  // stderr bytes not yet forwarded (incomplete line)
     bool exited = false;
     int status = 0;
-    bool noticed = false;    // sent a failure notice
-    bool stopped = false;    // we sent it SIGTERM/SIGKILL
-    int64_t reap_seq = 0;    // order of reaping
+    bool noticed = false;  // sent a failure notice
+    bool stopped = false;  // we sent it SIGTERM/SIGKILL
+    int64_t reap_seq = 0;  // order of reaping
   };
 
   SupervisorOptions opt;
@@ -80,7 +85,7 @@ struct Supervisor::Impl {
   int notify_r = -1, notify_w = -1;
   int wake_r = -1, wake_w = -1;
 
-  std::mutex mu;  // children[*].exited/status/noticed, primary*, reaping, notices
+  std::mutex mu;     // children[*].exited/status/noticed, primary*, reaping, notices
   int primary = -1;  // rank of the primary failure, -1 none
   bool primary_is_self = false;
   int primary_code = 0;
@@ -316,8 +321,8 @@ struct Supervisor::Impl {
   }
 
   std::string failure_line(int rank, const std::string& how) const {
-    std::string line = opt.who + ": rank " + std::to_string(rank) + " " + how +
-                       "; stopping all " + std::to_string(opt.world_size) + " ranks";
+    std::string line = opt.who + ": rank " + std::to_string(rank) + " " + how + "; stopping all " +
+                       std::to_string(opt.world_size) + " ranks";
     if (suppressed_lines > 0)
       line += " (" + std::to_string(suppressed_lines) +
               " line(s) of output from other ranks after the failure not shown)";
@@ -382,8 +387,8 @@ struct Supervisor::Impl {
       }
       if (int sig = stop_signal.load()) {
         write_all(2, opt.who + ": received signal " + std::to_string(sig) + " (" +
-                         ::strsignal(sig) + "); stopping all " +
-                         std::to_string(opt.world_size) + " ranks\n");
+                         ::strsignal(sig) + "); stopping all " + std::to_string(opt.world_size) +
+                         " ranks\n");
         stop_children(-1, opt.forward_stderr);
         finish(128 + sig);
         return;
@@ -542,7 +547,9 @@ bool Supervisor::child_failed(double grace_s) {
   }
 }
 
-void Supervisor::stop_all() { impl_->stop_children(-1, false); }
+void Supervisor::stop_all() {
+  impl_->stop_children(-1, false);
+}
 
 void Supervisor::request_stop(int sig) {
   impl_->stop_signal.store(sig);

@@ -32,8 +32,8 @@ std::string memory_summary() {
       << (tracking_allocator_installed() ? "" : " [tracking allocator not installed]") << "\n";
   out << row("peak allocated", format_bytes(s.peak_bytes));
   out << row("current allocated", format_bytes(s.current_bytes));
-  out << row("allocations", std::to_string(s.num_allocs) + " (frees " +
-                                 std::to_string(s.num_frees) + ")");
+  out << row("allocations",
+             std::to_string(s.num_allocs) + " (frees " + std::to_string(s.num_frees) + ")");
   out << row("current RSS", format_bytes(current_rss_bytes()));
   out << row("peak RSS", format_bytes(peak_rss_bytes()));
   out << row("budget", s.budget_bytes > 0 ? format_bytes(s.budget_bytes) : std::string("none"));
@@ -65,8 +65,8 @@ std::string memory_summary(ProcessGroup& group) {
   if (group.rank() != 0) return "";
   std::ostringstream out;
   char buf[200];
-  std::snprintf(buf, sizeof(buf), "%-6s %16s %16s %16s %16s\n", "rank", "peak allocated",
-                "current", "peak RSS", "current RSS");
+  std::snprintf(buf, sizeof(buf), "%-6s %16s %16s %16s %16s\n", "rank", "peak allocated", "current",
+                "peak RSS", "current RSS");
   out << "memory per rank (" << group.size() << " ranks, " << group.backend() << ")\n" << buf;
   for (int r = 0; r < group.size(); ++r) {
     std::snprintf(buf, sizeof(buf), "%-6d %16s %16s %16s %16s\n", group.world_ranks()[r],

@@ -54,8 +54,8 @@ void tracking_delete(void* data) {
 
 [[noreturn]] void throw_budget_error(int64_t requested, int64_t in_use, int64_t budget) {
   std::ostringstream msg;
-  msg << "out of memory: allocating " << format_bytes(requested) << " with "
-      << format_bytes(in_use) << " in use would exceed the budget of " << format_bytes(budget)
+  msg << "out of memory: allocating " << format_bytes(requested) << " with " << format_bytes(in_use)
+      << " in use would exceed the budget of " << format_bytes(budget)
       << " (FSDP_MEMORY_BUDGET or fsdp::set_memory_budget). ---> HINT: reduce the batch size, "
          "use a sharding strategy that shards more (FULL_SHARD / ZeRO-3), enable activation "
          "checkpointing or CPU offload, or raise the budget";
@@ -104,8 +104,8 @@ void install_tracking_allocator() {
       try {
         g_budget.store(parse_bytes(env));
       } catch (const c10::Error& e) {
-        TORCH_CHECK(false, "[memory] FSDP_MEMORY_BUDGET='", env, "' is not a byte count: ",
-                    e.what_without_backtrace());
+        TORCH_CHECK(false, "[memory] FSDP_MEMORY_BUDGET='", env,
+                    "' is not a byte count: ", e.what_without_backtrace());
       }
     }
     static TrackingAllocator allocator;  // lives until exit: storages point at it
@@ -116,7 +116,9 @@ void install_tracking_allocator() {
   });
 }
 
-bool tracking_allocator_installed() { return g_installed.load(); }
+bool tracking_allocator_installed() {
+  return g_installed.load();
+}
 
 MemoryStats memory_stats() {
   MemoryStats s;
@@ -139,7 +141,9 @@ void set_memory_budget(int64_t bytes) {
   g_budget.store(bytes);
 }
 
-int64_t memory_budget() { return g_budget.load(); }
+int64_t memory_budget() {
+  return g_budget.load();
+}
 
 int64_t current_rss_bytes() {
   std::ifstream statm("/proc/self/statm");
