@@ -156,6 +156,38 @@ TEST(FullyShardTraining, PrefetchModesKeepParityWorld3) {
   });
 }
 
+// Prefetches really are issued from the recorded order, and limit_all_gathers really skips
+// them when two units are already unsharded (SHARD_GRAD_OP keeps every unit unsharded).
+TEST(FullyShardTraining, PrefetchIsIssuedAndLimitedWorld2) {
+  fsdp::testing::run_ranks(2, "gloo", [](fsdp::ProcessGroup&) {
+    auto count = [](fsdp::FSDPOptions o) {
+      TinyLM lm;
+      fsdp::FSDPStrategy strategy(o);
+      strategy.connect(fsdp::world_group(), {});
+      LoopConfig cfg;
+      cfg.steps = 3;
+      fsdp::testing::train_with(strategy, lm, cfg);
+      EXPECT_EQ(strategy.state().forward_order().size(), 4u);  // 2 encoder + 2 decoder layers
+      return std::make_pair(strategy.state().num_prefetches(),
+                            strategy.state().num_prefetches_limited());
+    };
+    auto o = layer_wrapped(fsdp::ShardingStrategy::kFullShard);
+    o.backward_prefetch = fsdp::BackwardPrefetch::kNone;
+    EXPECT_EQ(count(o).first, 0);
+    o.forward_prefetch = true;
+    // From step 2 on: 3 forward prefetches per step (units 2..4).
+    EXPECT_EQ(count(o).first, 2 * 3);
+    o.forward_prefetch = false;
+    o.backward_prefetch = fsdp::BackwardPrefetch::kPre;
+    EXPECT_GT(count(o).first, 0);
+    auto sgo = layer_wrapped(fsdp::ShardingStrategy::kShardGradOp);
+    sgo.forward_prefetch = true;
+    sgo.limit_all_gathers = true;
+    auto [issued, limited] = count(sgo);
+    EXPECT_GT(limited, 0);
+  });
+}
+
 TEST(FullyShardTraining, SizeBasedWrapAndRootOnlyWorld2) {
   fsdp::testing::run_ranks(2, "gloo", [](fsdp::ProcessGroup&) {
     LoopConfig cfg;

@@ -303,13 +303,25 @@ void FsdpParamGroup::pre_backward() {
   }
 }
 
+// Note [No-sync gradient accumulation]
+// ------------------------------------
+// On a non-boundary micro-batch (Strategy::pre_forward(module, sync=false)) post-backward
+// reshards the parameters but does not reduce-scatter: the unsharded gradients stay in P.grad
+// and the next micro-batches' AccumulateGrad adds into them. The boundary micro-batch then
+// reduce-scatters the sum once. Trade-off, per rank:
+//   kept here    +4 B x (all trainable parameters, unsharded) for the whole accumulation window
+//                (the full gradient, as DDP's no_sync), and 1 reduce-scatter per optimizer step;
+//   the other way (reduce every micro-batch into S.grad) would hold only 4 B x params / W but
+//                pay k reduce-scatters per optimizer step of k micro-batches.
+// We follow PyTorch FSDP's no_sync: communication is the scarce resource on CPU ranks. Users
+// short of memory run accumulate_grad_batches=1 with a larger per-rank batch instead.
 void FsdpParamGroup::post_backward() {
   if (backward_pending_ > 0) --backward_pending_;
   if (backward_pending_ > 0) return;  // another call of this unit still runs its backward
   TORCH_INTERNAL_ASSERT(is_unsharded(), "[fully_shard] post-backward of unit '", name_,
                         "' found it ", to_string(sharded_state_), "; its parameters were freed "
                         "before its backward finished");
-  if (state_->sync()) issue_reduce_scatter();
+  if (state_->sync()) issue_reduce_scatter();  // See Note [No-sync gradient accumulation]
   reshard(ShardedState::kSharded);
   training_state_ = TrainingState::kPostBackward;
   if (state_->config().backward_prefetch == BackwardPrefetch::kPost) {
