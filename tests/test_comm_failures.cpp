@@ -72,6 +72,33 @@ TEST_P(CommFailures, TimeoutNamesOpSequenceAndMissingRank) {
   });
 }
 
+// Work queued behind a hung collective (gloo: same group; mpi: another group sharing the one
+// MPI thread) fails with the hung collective's timeout instead of waiting forever.
+TEST_P(CommFailures, WorkQueuedBehindAHungCollectiveFails) {
+  ScopedSetenv timeout("FSDP_COLLECTIVE_TIMEOUT_S", "2");
+  fsdp::testing::run_ranks(2, GetParam(), [](ProcessGroup& pg) {
+    auto sub = pg.new_subgroup({0, 1});  // world #1
+    pg.barrier();                        // world #2
+    auto t = at::ones({8});
+    if (pg.rank() == 1) {
+      std::this_thread::sleep_for(std::chrono::seconds(5));
+      if (pg.backend() == "mpi") pg.all_reduce(t);  // join late so rank 0 can finalize
+      return;
+    }
+    auto hung = pg.all_reduce_async(t, ReduceOp::kSum);  // world #3, never waited
+    ProcessGroup& next = pg.backend() == "mpi" ? *sub : pg;
+    std::string msg = "<no error>";
+    try {
+      next.barrier();
+    } catch (const std::exception& e) {
+      msg = e.what();
+    }
+    const std::string expected = "all_reduce #3 on group world (" + pg.backend() +
+                                 ") timed out after 2 s: ranks 1 did not join";
+    EXPECT_NE(msg.find(expected), std::string::npos) << "error was: " << msg;
+  });
+}
+
 TEST_P(CommFailures, DebugDetailNamesBothSidesOfAMismatch) {
   ScopedSetenv debug("FSDP_DEBUG", "detail");
   fsdp::testing::run_ranks(2, GetParam(), [](ProcessGroup& pg) {

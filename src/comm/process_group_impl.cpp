@@ -295,6 +295,16 @@ void CommThread::loop() {
   idle_cv_.notify_all();
 }
 
+void CommThread::set_current(std::shared_ptr<OpRecord> record) {
+  std::lock_guard<std::mutex> lock(current_mutex_);
+  current_ = std::move(record);
+}
+
+std::shared_ptr<OpRecord> CommThread::current() {
+  std::lock_guard<std::mutex> lock(current_mutex_);
+  return current_;
+}
+
 bool CommThread::stop(std::chrono::milliseconds grace) {
   if (!thread_.joinable()) return true;
   TORCH_INTERNAL_ASSERT(!on_thread(), "comm thread '", name_, "' cannot stop itself");
@@ -392,6 +402,8 @@ WorkPtr GroupImpl::enqueue(const Fingerprint& fp, std::vector<at::Tensor> keep_a
   record->op = fp.op;
   record->seq = seq;
   record->what = describe(fp.op, seq);
+  record->group = this;
+  record->timeout = config_.timeout;
   record->keep_alive = std::move(keep_alive);
   thread_->post([this, record, fp, body = std::move(body)] { run_record(record, fp, body); });
   return std::make_shared<RecordWork>(shared_from_this(), record);
@@ -408,10 +420,9 @@ void GroupImpl::run_record(const std::shared_ptr<OpRecord>& record, const Finger
       skipped = true;
       message = record->what + " was not run: the group is unusable after an earlier failure: " +
                 poisoned_;
-    } else {
-      running_ = record;
     }
   }
+  if (!skipped) thread_->set_current(record);
   if (!skipped) {
     {
       std::lock_guard<std::mutex> lock(record->mutex);
@@ -429,11 +440,13 @@ void GroupImpl::run_record(const std::shared_ptr<OpRecord>& record, const Finger
     } catch (...) {
       error = std::current_exception();
     }
-    {
-      std::lock_guard<std::mutex> lock(state_mutex_);
-      running_.reset();
-    }
-    if (error) {
+    thread_->set_current(nullptr);
+    const bool near_deadline = Clock::now() - record->started >= config_.timeout * 9 / 10;
+    if (error && near_deadline) {
+      // Gloo's own per-op timeout fired: poison with the full timeout message, so work queued
+      // behind it reports the missing ranks too.
+      timeout_message(record);
+    } else if (error) {
       poison(record->what + " failed on rank " + std::to_string(config_.world_ranks[config_.rank]) +
              ": " + error_text(error));
     }
@@ -484,27 +497,26 @@ void GroupImpl::wait_record(const std::shared_ptr<OpRecord>& record) {
       lock.unlock();
       TORCH_CHECK(false, timeout_message(record));
     }
-    // Queued behind other work: check every second whether the op ahead of us is hung.
+    // Queued behind other work (of this group, or of another group sharing the MPI thread):
+    // check every second whether the op running on the thread is hung.
     auto slice = std::min<std::chrono::milliseconds>(timeout, std::chrono::seconds(1));
     if (record->cv.wait_for(lock, slice,
                             [&] { return record->state != OpRecord::State::kQueued; })) {
       continue;
     }
-    std::shared_ptr<OpRecord> running;
-    {
-      std::lock_guard<std::mutex> state(state_mutex_);
-      running = running_;
-    }
+    std::shared_ptr<OpRecord> running = thread_->current();
     if (running && running != record) {
       bool hung = false;
       {
         std::lock_guard<std::mutex> rl(running->mutex);
         hung = running->state == OpRecord::State::kRunning &&
-               Clock::now() - running->started > timeout;
+               Clock::now() - running->started > running->timeout;
       }
       if (hung) {
         lock.unlock();
-        TORCH_CHECK(false, record->what, " could not start: ", timeout_message(running));
+        std::string why = running->group->timeout_message(running);
+        if (running->group != this) poison(why);
+        TORCH_CHECK(false, record->what, " could not start: ", why);
       }
     }
   }

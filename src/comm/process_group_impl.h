@@ -72,6 +72,8 @@ class Transport {
 //    run off the caller's thread.
 // The caller's thread only assigns the sequence number and enqueues, so the hot path is one
 // mutex and one condition-variable notify. The thread sleeps on a condition variable when idle.
+struct OpRecord;
+
 class CommThread {
  public:
   explicit CommThread(std::string name);
@@ -83,6 +85,10 @@ class CommThread {
   // hung after a timeout), the thread is detached instead; returns false then.
   bool stop(std::chrono::milliseconds grace);
   bool on_thread() const { return std::this_thread::get_id() == id_; }
+  // The collective running on this thread now (any group sharing it), for timeout checks of
+  // work queued behind it.
+  void set_current(std::shared_ptr<OpRecord> record);
+  std::shared_ptr<OpRecord> current();
 
  private:
   void loop();
@@ -96,6 +102,8 @@ class CommThread {
   bool exited_ = false;
   std::thread thread_;
   std::thread::id id_;
+  std::mutex current_mutex_;
+  std::shared_ptr<OpRecord> current_;
 };
 
 // Publishes, per group, the sequence number and op of the collective this rank last called,
@@ -134,7 +142,10 @@ class Monitor {
 };
 
 // State of one enqueued collective, shared by its Work handle and the comm thread.
+class GroupImpl;
 struct OpRecord {
+  GroupImpl* group = nullptr;  // alive while the record runs (shutdown drains the queue)
+  std::chrono::milliseconds timeout{0};
   CollectiveOp op;
   int64_t seq = 0;
   std::string what;  // "all_reduce #17 on group world (gloo)"
@@ -187,6 +198,8 @@ class GroupImpl final : public ProcessGroup, public std::enable_shared_from_this
 
   // Used by Work::wait (see Note [Collective timeouts]).
   void wait_record(const std::shared_ptr<OpRecord>& record);
+  // The timeout error of one of this group's records (queries the Monitor once, poisons).
+  std::string timeout_message(const std::shared_ptr<OpRecord>& record);
 
  private:
   struct Fingerprint {
@@ -202,7 +215,6 @@ class GroupImpl final : public ProcessGroup, public std::enable_shared_from_this
                   const std::function<void()>& local = nullptr);
   void run_record(const std::shared_ptr<OpRecord>& record, const Fingerprint& fp,
                   const std::function<void(Transport&)>& body);
-  std::string timeout_message(const std::shared_ptr<OpRecord>& record);
   void poison(const std::string& why);
   void check_usable(const char* op) const;
   std::string describe(CollectiveOp op, int64_t seq) const;
@@ -223,7 +235,6 @@ class GroupImpl final : public ProcessGroup, public std::enable_shared_from_this
   std::shared_ptr<std::atomic<int64_t>> issued_;  // (seq << 4) | op, read by the Monitor
   mutable std::mutex state_mutex_;
   std::string poisoned_;  // non-empty: an earlier collective failed, the group is unusable
-  std::shared_ptr<OpRecord> running_;
   bool shut_down_ = false;
 };
 
