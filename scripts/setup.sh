@@ -12,6 +12,7 @@ PACKAGES=(
   libcli11-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   python3-numpy python3-torch   # independent safetensors reader (tests), PyTorch DDP peer (bench)
+  clang libclang-rt-14-dev      # libFuzzer target for the checkpoint readers (tests/fuzz)
 )
 
 missing=()
