@@ -106,6 +106,13 @@ struct TrainerOptions {
   std::string process_group_backend = "auto";
   bool logger = true;              // false: no CSV file
   bool enable_summary = true;      // end-of-run summary (it/s, memory table) on rank 0
+  // Checkpoints (fsdp/checkpoint.h). With checkpoint_dir set and save_every_n_steps > 0, fit
+  // saves <checkpoint_dir>/step-<k> every that many optimizer steps and points
+  // <checkpoint_dir>/last (a symlink, replaced atomically) at it. state_dict_type: "full" (one
+  // consolidated safetensors set) | "sharded" (one file per rank).
+  std::string checkpoint_dir;
+  int64_t save_every_n_steps = 0;
+  std::string state_dict_type = "full";
 };
 
 // What a fit() measured, on every rank (losses are already the global mean everywhere; the
@@ -143,6 +150,15 @@ class Trainer {
   // (see Note [Sampler striding] in fsdp/data.h); a sampler built for another world is an error.
   void fit(LightningModule& module, DataLoader& train_loader);
   void fit(LightningModule& module, DataLoader& train_loader, DataLoader& val_loader);
+  // Resumes from a checkpoint written by save_checkpoint (or a checkpoint_dir entry): weights,
+  // optimizer and scheduler state, step/epoch/batch position and RNG state, at any world size
+  // and strategy. max_steps still counts from the start of training.
+  void fit(LightningModule& module, DataLoader& train_loader, const std::string& ckpt_path);
+  void fit(LightningModule& module, DataLoader& train_loader, DataLoader& val_loader,
+           const std::string& ckpt_path);
+  // Saves the fitted module, optimizer and progress (collective: every rank calls it), in
+  // options().state_dict_type format. Valid during and after fit().
+  void save_checkpoint(const std::string& path);
   // Runs validation_step / test_step over the loader and returns the epoch-level metrics
   // (mean over batches; sync_dist metrics also averaged over ranks).
   std::map<std::string, double> validate(LightningModule& module, DataLoader& loader);
@@ -186,6 +202,14 @@ class Trainer {
   int64_t global_step_ = 0;
   int64_t current_epoch_ = 0;
   FitResults results_;
+  // Checkpoint state (src/ckpt/trainer_checkpoint.cpp).
+  void resume_from_checkpoint();
+  void on_checkpoint_boundary();  // after each optimizer step: periodic saves
+  std::string resume_path_;
+  LightningModule* fit_module_ = nullptr;
+  OptimizerConfig fit_opt_;
+  int64_t next_epoch_ = 0;  // position of the next training micro-batch
+  int64_t next_batch_ = 0;
 };
 
 // "single": one process, no communication; world size must be 1.

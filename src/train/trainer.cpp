@@ -253,6 +253,7 @@ void Trainer::fit_impl(LightningModule& module, DataLoader& train_loader,
   if (!resume_path_.empty()) resume_from_checkpoint();
   const int64_t start_epoch = next_epoch_;
   const int64_t start_batch = next_batch_;
+  const int64_t start_step = global_step_;  // > 0 when resumed
 
   const int64_t k = o.accumulate_grad_batches;
   const int64_t batches_per_epoch = limited_batches(train_loader.num_batches(),
@@ -350,7 +351,7 @@ void Trainer::fit_impl(LightningModule& module, DataLoader& train_loader,
         strategy_->zero_grad(*opt.optimizer);
         if (opt.scheduler) opt.scheduler->step();
         ++global_step_;
-        if (global_step_ == 1) first_step_done = Clock::now();
+        if (global_step_ == start_step + 1) first_step_done = Clock::now();
 
         // The only per-step collective: the mean loss (and sync_dist step metrics) over ranks.
         const bool log_now = global_step_ % o.log_every_n_steps == 0;
@@ -386,9 +387,10 @@ void Trainer::fit_impl(LightningModule& module, DataLoader& train_loader,
   if (bar) bar->finish();
 
   results_.seconds = seconds_since(loop_start);
-  if (global_step_ > 1) {
-    results_.it_per_s = (global_step_ - 1) / std::max(1e-9, seconds_since(first_step_done));
-  } else if (global_step_ == 1) {
+  if (global_step_ - start_step > 1) {
+    results_.it_per_s = (global_step_ - start_step - 1) /
+                        std::max(1e-9, seconds_since(first_step_done));
+  } else if (global_step_ - start_step == 1) {
     results_.it_per_s = 1.0 / std::max(1e-9, results_.seconds);
   }
   for (const auto& kv : metrics.last_values()) {

@@ -1,0 +1,520 @@
+// save_checkpoint / load_checkpoint / load_weights. See include/fsdp/checkpoint.h and
+// Note [Checkpoint layout] in layout.h.
+#include "fsdp/checkpoint.h"
+
+#include "ckpt/layout.h"
+#include "fsdp/fsdp_strategy.h"
+#include "shard/fsdp_param.h"
+#include "shard/fsdp_state.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/Generator.h>
+#include <c10/util/Exception.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <map>
+#include <mutex>
+#include <unordered_map>
+
+namespace fsdp {
+
+namespace fs = std::filesystem;
+using ckpt::json;
+
+StateDictType parse_state_dict_type(const std::string& name) {
+  if (name == "full") return StateDictType::kFull;
+  if (name == "sharded") return StateDictType::kSharded;
+  TORCH_CHECK(false, "[checkpoint] unknown state_dict_type '", name,
+              "'; valid: full (one consolidated safetensors file), sharded (one file per rank)");
+}
+
+const char* to_string(StateDictType type) {
+  switch (type) {
+    case StateDictType::kFull: return "full";
+    case StateDictType::kSharded: return "sharded";
+  }
+  return "?";
+}
+
+namespace {
+
+// One tensor as this rank holds it (see Note [Checkpoint layout]).
+struct LocalTensor {
+  std::string key;
+  at::Tensor local;                 // contiguous; full tensor, or this rank's shard (R rows)
+  std::vector<int64_t> full_shape;
+  int64_t dim0 = 1;
+  int64_t shard_rows = 0;           // R (sharded only)
+  int64_t row_begin = 0;            // global row of local row 0
+  int64_t rows = 0;                 // valid rows held (rows past these are padding)
+  bool sharded = false;             // split over the shard group; else every rank holds it all
+  int64_t row_numel() const {
+    int64_t n = 1;
+    for (size_t i = 1; i < full_shape.size(); ++i) n *= full_shape[i];
+    return n;
+  }
+  int64_t full_nbytes() const {
+    int64_t n = local.element_size();
+    for (int64_t d : full_shape) n *= d;
+    return n;
+  }
+};
+
+struct Layout {
+  std::vector<LocalTensor> model;      // parameters then buffers
+  std::vector<LocalTensor> optimizer;  // optim.<fqn>.<stat>
+  ProcessGroupPtr shard_group;         // null: nothing sharded
+  int shard_world = 1;
+  int shard_rank = 0;
+  std::map<const c10::TensorImpl*, std::string> param_fqn;  // registered tensor -> FQN
+};
+
+std::string state_key(const at::Tensor& p) {
+  return c10::guts::to_string(p.unsafeGetTensorImpl());
+}
+
+std::string optimizer_kind(torch::optim::Optimizer& opt) {
+  if (dynamic_cast<torch::optim::AdamW*>(&opt)) return "adamw";
+  if (dynamic_cast<torch::optim::Adam*>(&opt)) return "adam";
+  if (dynamic_cast<torch::optim::SGD*>(&opt)) return "sgd";
+  TORCH_CHECK(false, "[checkpoint] optimizer state of this optimizer type is not supported yet "
+              "(supported: Adam, AdamW, SGD); save weights only (optimizer = nullptr)");
+}
+
+// (stat name, tensor) of one parameter's optimizer state; empty when it has none yet.
+std::vector<std::pair<std::string, at::Tensor>> optimizer_stats(torch::optim::Optimizer& opt,
+                                                                const at::Tensor& p,
+                                                                int64_t* step) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  auto it = opt.state().find(state_key(p));
+  if (it == opt.state().end()) return out;
+  auto* base = it->second.get();
+  if (auto* s = dynamic_cast<torch::optim::AdamWParamState*>(base)) {
+    *step = s->step();
+    out = {{"exp_avg", s->exp_avg()}, {"exp_avg_sq", s->exp_avg_sq()}};
+    if (s->max_exp_avg_sq().defined()) out.emplace_back("max_exp_avg_sq", s->max_exp_avg_sq());
+  } else if (auto* s = dynamic_cast<torch::optim::AdamParamState*>(base)) {
+    *step = s->step();
+    out = {{"exp_avg", s->exp_avg()}, {"exp_avg_sq", s->exp_avg_sq()}};
+    if (s->max_exp_avg_sq().defined()) out.emplace_back("max_exp_avg_sq", s->max_exp_avg_sq());
+  } else if (auto* s = dynamic_cast<torch::optim::SGDParamState*>(base)) {
+    *step = 0;
+    if (s->momentum_buffer().defined()) out = {{"momentum_buffer", s->momentum_buffer()}};
+  }
+  return out;
+}
+
+Layout build_layout(Strategy* strategy, torch::nn::Module& module,
+                    torch::optim::Optimizer* optimizer, json* optim_meta) {
+  Layout L;
+  std::unordered_map<const c10::TensorImpl*, detail::FsdpParam*> fsdp_params;
+  if (auto* f = dynamic_cast<FSDPStrategy*>(strategy)) {
+    detail::FsdpState& st = f->state();
+    L.shard_group = st.shard_group();
+    L.shard_world = L.shard_group ? L.shard_group->size() : 1;
+    L.shard_rank = L.shard_group ? L.shard_group->rank() : 0;
+    TORCH_CHECK(L.shard_world == 1 || L.shard_world == strategy->world_size(),
+                "[checkpoint] hybrid sharding (shard group of ", L.shard_world, " ranks in a world "
+                "of ", strategy->world_size(), ") is not supported by checkpoints yet; use "
+                "FULL_SHARD, SHARD_GRAD_OP or NO_SHARD");
+    for (detail::FsdpParam* p : st.all_params()) {
+      if (!p->aliased()) fsdp_params[p->sharded().unsafeGetTensorImpl()] = p;
+    }
+  }
+  for (const auto& item : module.named_parameters(/*recurse=*/true)) {
+    LocalTensor t;
+    t.key = item.key();
+    t.local = item.value().detach();
+    L.param_fqn[item.value().unsafeGetTensorImpl()] = t.key;
+    auto it = fsdp_params.find(item.value().unsafeGetTensorImpl());
+    if (it != fsdp_params.end()) {
+      detail::FsdpParam* fp = it->second;
+      t.full_shape = fp->full_shape().vec();
+      t.dim0 = fp->dim0();
+      t.shard_rows = fp->shard_rows();
+      t.row_begin = std::min<int64_t>(L.shard_rank * t.shard_rows, t.dim0);
+      t.rows = std::max<int64_t>(0, std::min<int64_t>(t.shard_rows, t.dim0 - t.row_begin));
+      t.sharded = true;
+    } else {
+      t.full_shape = t.local.sizes().vec();
+      t.dim0 = ckpt::dim0_of(t.full_shape);
+      t.rows = t.dim0;
+    }
+    TORCH_CHECK(t.local.is_contiguous(), "[checkpoint] parameter '", t.key,
+                "' is not contiguous; checkpoints need contiguous parameters");
+    L.model.push_back(t);
+  }
+  for (const auto& item : module.named_buffers(/*recurse=*/true)) {
+    LocalTensor t;
+    t.key = item.key();
+    t.local = item.value().detach();
+    TORCH_CHECK(t.local.is_contiguous(), "[checkpoint] buffer '", t.key,
+                "' is not contiguous; checkpoints need contiguous buffers");
+    t.full_shape = t.local.sizes().vec();
+    t.dim0 = ckpt::dim0_of(t.full_shape);
+    t.rows = t.dim0;
+    L.model.push_back(t);
+  }
+  if (optimizer) {
+    json steps = json::object();
+    for (const auto& item : module.named_parameters(/*recurse=*/true)) {
+      int64_t step = 0;
+      auto stats = optimizer_stats(*optimizer, item.value(), &step);
+      if (stats.empty()) continue;
+      const LocalTensor* p = nullptr;
+      for (const auto& m : L.model) {
+        if (m.key == item.key()) p = &m;
+      }
+      TORCH_INTERNAL_ASSERT(p);
+      steps[item.key()] = step;
+      for (auto& [name, tensor] : stats) {
+        LocalTensor t = *p;
+        t.key = std::string(ckpt::kOptimPrefix) + item.key() + "." + name;
+        t.local = tensor.detach().contiguous();
+        TORCH_INTERNAL_ASSERT(t.local.numel() == p->local.numel(), "optimizer state '", t.key,
+                              "' does not match its parameter's shape");
+        L.optimizer.push_back(t);
+      }
+    }
+    if (optim_meta) {
+      json lrs = json::array();
+      for (auto& g : optimizer->param_groups()) lrs.push_back(g.options().get_lr());
+      *optim_meta = {{"kind", optimizer_kind(*optimizer)}, {"lrs", lrs}, {"steps", steps}};
+    }
+  }
+  return L;
+}
+
+std::string to_hex(const at::Tensor& bytes) {
+  static const char* digits = "0123456789abcdef";
+  auto b = bytes.contiguous();
+  const uint8_t* p = b.data_ptr<uint8_t>();
+  std::string out;
+  out.reserve(b.numel() * 2);
+  for (int64_t i = 0; i < b.numel(); ++i) {
+    out.push_back(digits[p[i] >> 4]);
+    out.push_back(digits[p[i] & 15]);
+  }
+  return out;
+}
+
+at::Tensor from_hex(const std::string& hex, const std::string& what) {
+  TORCH_CHECK(hex.size() % 2 == 0, what, ": \"rng_cpu\" is not a hex string");
+  at::Tensor t = at::empty({static_cast<int64_t>(hex.size() / 2)}, at::kByte);
+  uint8_t* p = t.data_ptr<uint8_t>();
+  auto val = [&](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    TORCH_CHECK(false, what, ": \"rng_cpu\" is not a hex string");
+  };
+  for (size_t i = 0; i < hex.size() / 2; ++i) p[i] = (val(hex[2 * i]) << 4) | val(hex[2 * i + 1]);
+  return t;
+}
+
+std::vector<ckpt::TensorSpec> full_specs(const std::vector<LocalTensor>& ts) {
+  std::vector<ckpt::TensorSpec> specs;
+  for (const auto& t : ts) {
+    specs.push_back({t.key, ckpt::to_dtype(t.local.scalar_type()), t.full_shape});
+  }
+  return specs;
+}
+
+// Full format: every rank joins the all-gather of each sharded tensor; rank 0 streams the rows
+// to `file`. Peak: the shards plus one gathered tensor.
+void write_full(const std::string& file, const std::vector<LocalTensor>& ts, const Layout& L,
+                int rank, int64_t step) {
+  std::unique_ptr<ckpt::SafetensorsWriter> w;
+  if (rank == 0) w = std::make_unique<ckpt::SafetensorsWriter>(file, full_specs(ts));
+  for (size_t i = 0; i < ts.size(); ++i) {
+    const LocalTensor& t = ts[i];
+    if (t.sharded) {
+      at::Tensor in = t.local.reshape({-1});
+      at::Tensor out = at::empty({in.numel() * L.shard_world}, in.options());
+      L.shard_group->all_gather_into_tensor(out, in);
+      if (w) w->write(out.data_ptr(), static_cast<size_t>(t.full_nbytes()));
+    } else if (w) {
+      w->write(t.local.data_ptr(), static_cast<size_t>(t.full_nbytes()));
+    }
+    if (i == 0) ckpt::maybe_crash_during_save(rank, step);
+  }
+  if (w) w->commit();
+}
+
+// Sharded format: this rank's unpadded rows of its sharded tensors, plus (rank 0) the
+// replicated ones.
+void write_shard(const std::string& file, const Layout& L, int rank, int64_t step) {
+  std::vector<const LocalTensor*> mine;
+  for (const auto* group : {&L.model, &L.optimizer}) {
+    for (const auto& t : *group) {
+      if (t.sharded ? t.rows > 0 : rank == 0) mine.push_back(&t);
+    }
+  }
+  std::vector<ckpt::TensorSpec> specs;
+  for (const auto* t : mine) {
+    specs.push_back({t->key, ckpt::to_dtype(t->local.scalar_type()),
+                     ckpt::piece_shape(t->full_shape, t->rows)});
+  }
+  ckpt::SafetensorsWriter w(file, specs);
+  for (size_t i = 0; i < mine.size(); ++i) {
+    const LocalTensor* t = mine[i];
+    w.write(t->local.data_ptr(),
+            static_cast<size_t>(t->rows * t->row_numel() * t->local.element_size()));
+    if (i == 0) ckpt::maybe_crash_during_save(rank, step);
+  }
+  w.commit();
+}
+
+json sharded_tensor_table(const Layout& L, int world) {
+  json out = json::object();
+  for (const auto* group : {&L.model, &L.optimizer}) {
+    for (const auto& t : *group) {
+      json pieces = json::array();
+      if (t.sharded) {
+        for (int r = 0; r < L.shard_world; ++r) {
+          int64_t b = std::min<int64_t>(r * t.shard_rows, t.dim0);
+          int64_t e = std::min<int64_t>(b + t.shard_rows, t.dim0);
+          if (e > b) pieces.push_back(json{{"file", ckpt::shard_file_name(r, world)}, {"rows", {b, e}}});
+        }
+      } else if (t.dim0 > 0) {
+        pieces.push_back(json{{"file", ckpt::shard_file_name(0, world)}, {"rows", {int64_t{0}, t.dim0}}});
+      }
+      out[t.key] = {{"shape", t.full_shape},
+                    {"dtype", ckpt::dtype_name(ckpt::to_dtype(t.local.scalar_type()))},
+                    {"pieces", pieces}};
+    }
+  }
+  return out;
+}
+
+// Checks the checkpoint against the model before any data is read; names the first mismatch.
+void check_matches(const ckpt::Source& src, const std::vector<LocalTensor>& model) {
+  for (const auto& t : model) {
+    const ckpt::SourceTensor* s = src.find(t.key);
+    if (!s) {
+      std::string some;
+      int n = 0;
+      for (const auto& [k, v] : src.tensors()) {
+        if (k.rfind(ckpt::kOptimPrefix, 0) == 0) continue;
+        if (n++ < 6) some += (some.empty() ? "" : ", ") + k;
+      }
+      TORCH_CHECK(false, "[checkpoint] ", src.path(), " has no tensor '", t.key,
+                  "' (the model expects ", ckpt::shape_str(t.full_shape), "); it holds: ", some,
+                  n > 6 ? ", ..." : "", ". Was it saved from a different model?");
+    }
+    TORCH_CHECK(s->shape == t.full_shape, "[checkpoint] checkpoint has ", t.key, " ",
+                ckpt::shape_str(s->shape), ", the model expects ", ckpt::shape_str(t.full_shape),
+                " (", src.path(), "); build the model with the configuration the checkpoint was "
+                "saved with");
+  }
+  std::map<std::string, bool> known;
+  for (const auto& t : model) known[t.key] = true;
+  for (const auto& [k, v] : src.tensors()) {
+    if (k.rfind(ckpt::kOptimPrefix, 0) == 0) continue;
+    TORCH_CHECK(known.count(k), "[checkpoint] ", src.path(), " holds tensor '", k, "' ",
+                ckpt::shape_str(v.shape), " that the model does not have; it was saved from a "
+                "different model");
+  }
+}
+
+void read_local(const ckpt::Source& src, const LocalTensor& t, const at::Tensor& dst) {
+  at::NoGradGuard no_grad;
+  at::Tensor flat = dst.view({-1});
+  if (t.rows > 0) {
+    src.read_rows(t.key, t.row_begin, t.rows, flat.narrow(0, 0, t.rows * t.row_numel()));
+  }
+}
+
+void check_rank_write(bool ok, const std::string& what) {
+  TORCH_CHECK(ok, "[checkpoint] ", what);
+}
+
+}  // namespace
+
+void save_checkpoint(const std::string& dir, Strategy& strategy, torch::nn::Module& module,
+                     torch::optim::Optimizer* optimizer, const TrainingProgress& progress,
+                     StateDictType type) {
+  const int rank = strategy.rank();
+  const int world = strategy.world_size();
+  json optim_meta;
+  Layout L = build_layout(&strategy, module, optimizer, &optim_meta);
+
+  // Note [Crash-safe save]: everything goes to DIR.partial; rank 0 publishes it (metadata last,
+  // then rename) only after every rank has committed its files.
+  const fs::path target = fs::path(dir).lexically_normal();
+  const fs::path partial = target.string() + ".partial";
+  if (rank == 0) {
+    std::error_code ec;
+    fs::remove_all(partial, ec);
+    fs::create_directories(partial, ec);
+    check_rank_write(!ec, "cannot create " + partial.string() + ": " + ec.message() +
+                              "; check that the parent directory is writable");
+  }
+  strategy.barrier();
+
+  json meta = {{"format", "fsdp.cpp checkpoint"},
+               {"format_version", ckpt::kFormatVersion},
+               {"type", to_string(type)},
+               {"world_size", world},
+               {"strategy", strategy.name()},
+               {"progress",
+                {{"global_step", progress.global_step},
+                 {"epoch", progress.epoch},
+                 {"batch_in_epoch", progress.batch_in_epoch},
+                 {"scheduler_steps", progress.scheduler_steps}}},
+               {"rng_cpu", to_hex(at::detail::getDefaultCPUGenerator().get_state())}};
+  if (optimizer) meta["optimizer"] = optim_meta;
+
+  if (type == StateDictType::kFull) {
+    write_full((partial / ckpt::kModelFile).string(), L.model, L, rank, progress.global_step);
+    if (optimizer) {
+      write_full((partial / ckpt::kOptimizerFile).string(), L.optimizer, L, rank,
+                 progress.global_step);
+    }
+  } else {
+    write_shard((partial / ckpt::shard_file_name(rank, world)).string(), L, rank,
+                progress.global_step);
+    if (rank == 0) meta["tensors"] = sharded_tensor_table(L, world);
+  }
+  strategy.barrier();
+
+  if (rank == 0) {
+    const char* meta_file = type == StateDictType::kFull ? ckpt::kFullMetaFile
+                                                          : ckpt::kShardedMetaFile;
+    ckpt::write_file_atomic((partial / meta_file).string(), meta.dump(1));
+    std::error_code ec;
+    const fs::path old = target.string() + ".old";
+    fs::remove_all(old, ec);
+    if (fs::exists(target)) fs::rename(target, old);
+    fs::rename(partial, target);
+    fs::remove_all(old, ec);
+    ckpt::fsync_dir(target.parent_path().empty() ? "." : target.parent_path().string());
+  }
+  strategy.barrier();
+}
+
+TrainingProgress load_checkpoint(const std::string& dir, Strategy& strategy,
+                                 torch::nn::Module& module, torch::optim::Optimizer* optimizer,
+                                 torch::optim::LRScheduler* scheduler) {
+  std::unique_ptr<ckpt::Source> src;
+  try {
+    src = std::make_unique<ckpt::Source>(dir);
+  } catch (const ckpt::FormatError& e) {
+    TORCH_CHECK(false, "[checkpoint] ", e.what());
+  }
+  TORCH_CHECK(src->type() != "safetensors", "[checkpoint] ", dir, " is a bare safetensors file: "
+              "it has weights only; use fsdp::load_weights for it, or pass a checkpoint "
+              "directory to resume training");
+  Layout L = build_layout(&strategy, module, nullptr, nullptr);
+  check_matches(*src, L.model);
+  const json& meta = src->meta();
+
+  // Optimizer: state for every parameter the checkpoint has state for.
+  struct OptLoad {
+    std::string fqn;
+    at::Tensor param;  // as registered (sharded parameter under FSDP)
+    const LocalTensor* layout;
+  };
+  std::vector<OptLoad> opt_loads;
+  if (optimizer) {
+    TORCH_CHECK(meta.contains("optimizer"), "[checkpoint] ", dir, " has no optimizer state (it "
+                "was saved without an optimizer); load the weights with fsdp::load_weights");
+    const json& om = meta["optimizer"];
+    const std::string kind = optimizer_kind(*optimizer);
+    TORCH_CHECK(om.value("kind", "") == kind, "[checkpoint] ", dir, " holds ",
+                om.value("kind", "?"), " optimizer state but the optimizer is ", kind,
+                "; configure the optimizer the checkpoint was saved with");
+    const auto& lrs = om["lrs"];
+    TORCH_CHECK(lrs.is_array() && lrs.size() == optimizer->param_groups().size(),
+                "[checkpoint] ", dir, " has ", lrs.size(), " optimizer param groups, the "
+                "optimizer ", optimizer->param_groups().size());
+    for (const auto& item : module.named_parameters(true)) {
+      if (!om["steps"].contains(item.key())) continue;
+      const LocalTensor* lt = nullptr;
+      for (const auto& m : L.model) {
+        if (m.key == item.key()) lt = &m;
+      }
+      opt_loads.push_back({item.key(), item.value(), lt});
+    }
+  }
+
+  // Data.
+  for (const auto& t : L.model) read_local(*src, t, t.local);
+  if (optimizer) {
+    const json& om = meta["optimizer"];
+    const std::string kind = om["kind"];
+    for (const auto& ol : opt_loads) {
+      auto stat = [&](const std::string& name, bool required) -> at::Tensor {
+        std::string key = std::string(ckpt::kOptimPrefix) + ol.fqn + "." + name;
+        const ckpt::SourceTensor* s = src->find(key);
+        TORCH_CHECK(s || !required, "[checkpoint] ", dir, " lacks optimizer tensor '", key, "'");
+        if (!s) return {};
+        TORCH_CHECK(s->shape == ol.layout->full_shape, "[checkpoint] ", key, " is ",
+                    ckpt::shape_str(s->shape), ", its parameter ",
+                    ckpt::shape_str(ol.layout->full_shape));
+        at::Tensor t = at::zeros_like(ol.param.detach(), at::MemoryFormat::Contiguous);
+        LocalTensor lt = *ol.layout;
+        lt.key = key;
+        read_local(*src, lt, t);
+        return t;
+      };
+      const int64_t step = om["steps"][ol.fqn].get<int64_t>();
+      std::unique_ptr<torch::optim::OptimizerParamState> st;
+      if (kind == "adamw") {
+        auto s = std::make_unique<torch::optim::AdamWParamState>();
+        s->step(step).exp_avg(stat("exp_avg", true)).exp_avg_sq(stat("exp_avg_sq", true));
+        if (auto m = stat("max_exp_avg_sq", false); m.defined()) s->max_exp_avg_sq(m);
+        st = std::move(s);
+      } else if (kind == "adam") {
+        auto s = std::make_unique<torch::optim::AdamParamState>();
+        s->step(step).exp_avg(stat("exp_avg", true)).exp_avg_sq(stat("exp_avg_sq", true));
+        if (auto m = stat("max_exp_avg_sq", false); m.defined()) s->max_exp_avg_sq(m);
+        st = std::move(s);
+      } else {
+        auto s = std::make_unique<torch::optim::SGDParamState>();
+        if (auto m = stat("momentum_buffer", false); m.defined()) s->momentum_buffer(m);
+        st = std::move(s);
+      }
+      optimizer->state()[state_key(ol.param)] = std::move(st);
+    }
+  }
+
+  TrainingProgress progress;
+  const json& p = meta.contains("progress") ? meta["progress"] : json::object();
+  progress.global_step = p.value("global_step", int64_t{0});
+  progress.epoch = p.value("epoch", int64_t{0});
+  progress.batch_in_epoch = p.value("batch_in_epoch", int64_t{0});
+  progress.scheduler_steps = p.value("scheduler_steps", int64_t{0});
+  if (scheduler) {
+    for (int64_t i = 0; i < progress.scheduler_steps; ++i) scheduler->step();
+  }
+  if (optimizer) {
+    const auto& lrs = meta["optimizer"]["lrs"];
+    auto& groups = optimizer->param_groups();
+    for (size_t i = 0; i < groups.size(); ++i) groups[i].options().set_lr(lrs[i].get<double>());
+  }
+  if (meta.contains("rng_cpu") && meta["rng_cpu"].is_string()) {
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(from_hex(meta["rng_cpu"].get<std::string>(), dir));
+  }
+  strategy.barrier();
+  return progress;
+}
+
+void load_weights(torch::nn::Module& module, const std::string& path) {
+  std::unique_ptr<ckpt::Source> src;
+  try {
+    src = std::make_unique<ckpt::Source>(path);
+  } catch (const ckpt::FormatError& e) {
+    TORCH_CHECK(false, "[load_weights] ", e.what());
+  }
+  Layout L = build_layout(nullptr, module, nullptr, nullptr);
+  check_matches(*src, L.model);
+  for (const auto& t : L.model) read_local(*src, t, t.local);
+}
+
+}  // namespace fsdp

@@ -1,0 +1,159 @@
+// inspect_checkpoint and the streaming converters behind `fsdp-ckpt`.
+#include "ckpt/layout.h"
+#include "fsdp/checkpoint.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <vector>
+
+namespace fsdp {
+
+namespace fs = std::filesystem;
+using ckpt::json;
+
+namespace {
+
+std::unique_ptr<ckpt::Source> open_source(const std::string& path, const char* who) {
+  try {
+    return std::make_unique<ckpt::Source>(path);
+  } catch (const ckpt::FormatError& e) {
+    TORCH_CHECK(false, "[", who, "] ", e.what());
+  }
+}
+
+int64_t row_nbytes(const ckpt::SourceTensor& t) {
+  int64_t n = ckpt::dtype_itemsize(t.dtype);
+  for (size_t i = 1; i < t.shape.size(); ++i) n *= t.shape[i];
+  return n;
+}
+
+bool is_model_key(const std::string& key) { return key.rfind(ckpt::kOptimPrefix, 0) != 0; }
+
+// Rows [b, e) of `key` from `src`, appended to `w` piece by piece. `buf` (a byte tensor, so the
+// tracking allocator sees it) grows to the largest piece streamed: memory stays bounded by it.
+void stream_rows(const ckpt::Source& src, const std::string& key, int64_t b, int64_t e,
+                 ckpt::SafetensorsWriter& w, at::Tensor& buf) {
+  const ckpt::SourceTensor& t = *src.find(key);
+  const int64_t rb = row_nbytes(t);
+  for (const auto& p : t.pieces) {
+    const int64_t lo = std::max(p.begin, b), hi = std::min(p.end, e);
+    if (lo >= hi) continue;
+    const int64_t n = (hi - lo) * rb;
+    if (!buf.defined() || buf.numel() < n) buf = at::empty({n}, at::kByte);
+    if (lo == p.begin && hi == p.end) {
+      src.read_piece(key, p, buf.data_ptr(), static_cast<size_t>(n));
+    } else {
+      // Part of a piece: a row read in the file's own dtype (no conversion).
+      const int64_t row_numel = rb / ckpt::dtype_itemsize(t.dtype);
+      src.read_rows(key, lo, hi - lo,
+                    at::from_blob(buf.data_ptr(), {(hi - lo) * row_numel},
+                                  at::TensorOptions().dtype(ckpt::to_scalar_type(t.dtype))));
+    }
+    w.write(buf.data_ptr(), static_cast<size_t>(n));
+  }
+}
+
+}  // namespace
+
+CheckpointInfo inspect_checkpoint(const std::string& path) {
+  auto src = open_source(path, "fsdp-ckpt inspect");
+  CheckpointInfo info;
+  info.type = src->type();
+  const json& m = src->meta();
+  if (m.contains("world_size") && m["world_size"].is_number_integer()) {
+    info.world_size = m["world_size"].get<int>();
+  }
+  if (m.contains("strategy") && m["strategy"].is_string()) info.strategy = m["strategy"];
+  if (m.contains("progress") && m["progress"].is_object()) {
+    const json& p = m["progress"];
+    info.progress.global_step = p.value("global_step", int64_t{0});
+    info.progress.epoch = p.value("epoch", int64_t{0});
+    info.progress.batch_in_epoch = p.value("batch_in_epoch", int64_t{0});
+    info.progress.scheduler_steps = p.value("scheduler_steps", int64_t{0});
+  }
+  for (const auto& [k, t] : src->tensors()) {
+    info.tensors.push_back({k, ckpt::dtype_name(t.dtype), t.shape,
+                            static_cast<int64_t>(t.pieces.size())});
+  }
+  return info;
+}
+
+void convert_to_safetensors(const std::string& checkpoint_dir, const std::string& out_file) {
+  auto src = open_source(checkpoint_dir, "fsdp-ckpt convert");
+  std::vector<ckpt::TensorSpec> specs;
+  for (const auto& [k, t] : src->tensors()) {
+    if (is_model_key(k)) specs.push_back({k, t.dtype, t.shape});
+  }
+  std::map<std::string, std::string> metadata = {{"format", "pt"}};
+  if (src->meta().contains("progress")) {
+    metadata["global_step"] = src->meta()["progress"].value("global_step", json(0)).dump();
+  }
+  ckpt::SafetensorsWriter w(out_file, specs, metadata);
+  at::Tensor buf;
+  for (const auto& s : specs) {
+    stream_rows(*src, s.name, 0, ckpt::dim0_of(s.shape), w, buf);
+  }
+  w.commit();
+}
+
+void convert_to_sharded(const std::string& checkpoint_dir, const std::string& out_dir,
+                        int world_size) {
+  TORCH_CHECK(world_size >= 1, "[fsdp-ckpt convert] --world must be >= 1 (got ", world_size, ")");
+  auto src = open_source(checkpoint_dir, "fsdp-ckpt convert");
+  const fs::path out = fs::path(out_dir);
+  const fs::path partial = out.string() + ".partial";
+  std::error_code ec;
+  fs::remove_all(partial, ec);
+  fs::create_directories(partial, ec);
+  TORCH_CHECK(!ec, "[fsdp-ckpt convert] cannot create ", partial.string(), ": ", ec.message());
+
+  // The FSDP split: R = ceil(dim0 / W) rows per rank, the last ranks short or empty.
+  auto rows_of = [&](const ckpt::SourceTensor& t, int r) {
+    const int64_t dim0 = ckpt::dim0_of(t.shape);
+    const int64_t R = (dim0 + world_size - 1) / world_size;
+    const int64_t b = std::min<int64_t>(r * R, dim0);
+    return std::make_pair(b, std::min<int64_t>(b + R, dim0));
+  };
+  json table = json::object();
+  for (const auto& [k, t] : src->tensors()) {
+    json pieces = json::array();
+    for (int r = 0; r < world_size; ++r) {
+      auto [b, e] = rows_of(t, r);
+      if (e > b) pieces.push_back(json{{"file", ckpt::shard_file_name(r, world_size)}, {"rows", {b, e}}});
+    }
+    table[k] = {{"shape", t.shape}, {"dtype", ckpt::dtype_name(t.dtype)}, {"pieces", pieces}};
+  }
+  at::Tensor buf;
+  for (int r = 0; r < world_size; ++r) {
+    std::vector<ckpt::TensorSpec> specs;
+    std::vector<std::pair<int64_t, int64_t>> ranges;
+    for (const auto& [k, t] : src->tensors()) {
+      auto [b, e] = rows_of(t, r);
+      if (e <= b) continue;
+      specs.push_back({k, t.dtype, ckpt::piece_shape(t.shape, e - b)});
+      ranges.emplace_back(b, e);
+    }
+    ckpt::SafetensorsWriter w((partial / ckpt::shard_file_name(r, world_size)).string(), specs);
+    for (size_t i = 0; i < specs.size(); ++i) {
+      stream_rows(*src, specs[i].name, ranges[i].first, ranges[i].second, w, buf);
+    }
+    w.commit();
+  }
+  json meta = src->meta().is_object() ? src->meta() : json::object();
+  meta["format"] = "fsdp.cpp checkpoint";
+  meta["format_version"] = ckpt::kFormatVersion;
+  meta["type"] = "sharded";
+  meta["world_size"] = world_size;
+  meta["converted_from"] = src->type();
+  meta["tensors"] = table;
+  ckpt::write_file_atomic((partial / ckpt::kShardedMetaFile).string(), meta.dump(1));
+  const fs::path old = out.string() + ".old";
+  fs::remove_all(old, ec);
+  if (fs::exists(out)) fs::rename(out, old);
+  fs::rename(partial, out);
+  fs::remove_all(old, ec);
+}
+
+}  // namespace fsdp

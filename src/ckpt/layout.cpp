@@ -1,0 +1,273 @@
+// Checkpoint sources: format detection, validation of the piece table, row reads.
+// See Note [Checkpoint layout] in layout.h.
+#include "ckpt/layout.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <sstream>
+
+#include <unistd.h>
+
+namespace fsdp::ckpt {
+
+namespace fs = std::filesystem;
+
+DType to_dtype(at::ScalarType type) {
+  switch (type) {
+    case at::kDouble: return DType::kF64;
+    case at::kFloat: return DType::kF32;
+    case at::kHalf: return DType::kF16;
+    case at::kBFloat16: return DType::kBF16;
+    case at::kLong: return DType::kI64;
+    case at::kInt: return DType::kI32;
+    case at::kShort: return DType::kI16;
+    case at::kChar: return DType::kI8;
+    case at::kByte: return DType::kU8;
+    case at::kBool: return DType::kBool;
+    default: break;
+  }
+  TORCH_CHECK(false, "[checkpoint] tensors of dtype ", type, " cannot be saved in safetensors "
+              "here (supported: float64/32/16, bfloat16, int64/32/16/8, uint8, bool)");
+}
+
+at::ScalarType to_scalar_type(DType dtype) {
+  switch (dtype) {
+    case DType::kF64: return at::kDouble;
+    case DType::kF32: return at::kFloat;
+    case DType::kF16: return at::kHalf;
+    case DType::kBF16: return at::kBFloat16;
+    case DType::kI64: return at::kLong;
+    case DType::kI32: return at::kInt;
+    case DType::kI16: return at::kShort;
+    case DType::kI8: return at::kChar;
+    case DType::kU8: return at::kByte;
+    case DType::kBool: return at::kBool;
+  }
+  return at::kFloat;
+}
+
+std::string shape_str(const std::vector<int64_t>& shape) {
+  std::ostringstream out;
+  out << "[";
+  for (size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
+  out << "]";
+  return out.str();
+}
+
+std::string shard_file_name(int rank, int world) {
+  return "shard-" + std::to_string(rank) + "-of-" + std::to_string(world) + ".safetensors";
+}
+
+std::vector<int64_t> piece_shape(const std::vector<int64_t>& full, int64_t rows) {
+  if (full.empty()) return {};
+  std::vector<int64_t> s = full;
+  s[0] = rows;
+  return s;
+}
+
+int64_t dim0_of(const std::vector<int64_t>& full) { return full.empty() ? 1 : full[0]; }
+
+namespace {
+
+[[noreturn]] void bad(const std::string& what, const std::string& msg) {
+  throw FormatError(what + ": " + msg);
+}
+
+void add_whole_file(const SafetensorsReader& r, const std::string& file,
+                    std::map<std::string, SourceTensor>& out) {
+  for (const auto& e : r.header().tensors) {
+    SourceTensor t;
+    t.shape = e.shape;
+    t.dtype = e.dtype;
+    t.pieces.push_back({file, 0, dim0_of(e.shape)});
+    out[e.name] = std::move(t);
+  }
+}
+
+json parse_json_file(const std::string& path) {
+  std::string text = read_file(path);
+  json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) {
+    bad(path, "is not a JSON object; the checkpoint metadata is truncated or corrupt");
+  }
+  return j;
+}
+
+}  // namespace
+
+Source::Source(const std::string& path) : path_(path) {
+  std::error_code ec;
+  if (fs::is_regular_file(path, ec)) {
+    type_ = "safetensors";
+    dir_ = fs::path(path).parent_path().string();
+    std::string file = fs::path(path).filename().string();
+    readers_[file] = std::make_unique<SafetensorsReader>(path);
+    add_whole_file(*readers_[file], file, tensors_);
+    meta_ = json::object();
+    for (const auto& [k, v] : readers_[file]->header().metadata) meta_[k] = v;
+    return;
+  }
+  dir_ = path;
+  fs::path sharded = fs::path(path) / kShardedMetaFile;
+  fs::path full = fs::path(path) / kFullMetaFile;
+  if (fs::exists(sharded, ec)) {
+    type_ = "sharded";
+    meta_ = parse_json_file(sharded.string());
+    const std::string what = sharded.string();
+    if (meta_.value("type", "") != "sharded") bad(what, "\"type\" is not \"sharded\"");
+    auto ts = meta_.find("tensors");
+    if (ts == meta_.end() || !ts->is_object()) bad(what, "has no \"tensors\" object");
+    for (auto it = ts->begin(); it != ts->end(); ++it) {
+      const std::string& key = it.key();
+      const json& v = it.value();
+      std::string where = "tensor '" + key + "'";
+      SourceTensor t;
+      if (!v.is_object() || !v.contains("shape") || !v.contains("dtype") ||
+          !v.contains("pieces") || !v["shape"].is_array() || !v["dtype"].is_string() ||
+          !v["pieces"].is_array()) {
+        bad(what, where + " lacks \"shape\", \"dtype\" or \"pieces\"");
+      }
+      for (const auto& d : v["shape"]) {
+        if (!d.is_number_unsigned()) bad(what, where + " has a bad shape " + v["shape"].dump());
+        t.shape.push_back(d.get<int64_t>());
+      }
+      if (!parse_dtype(v["dtype"].get<std::string>(), &t.dtype)) {
+        bad(what, where + " has unknown dtype " + v["dtype"].dump());
+      }
+      for (const auto& p : v["pieces"]) {
+        if (!p.is_object() || !p.contains("file") || !p["file"].is_string() ||
+            !p.contains("rows") || !p["rows"].is_array() || p["rows"].size() != 2 ||
+            !p["rows"][0].is_number_unsigned() || !p["rows"][1].is_number_unsigned()) {
+          bad(what, where + " has a malformed piece " + p.dump() +
+                        " (expected {\"file\": name, \"rows\": [begin, end]})");
+        }
+        std::string file = p["file"].get<std::string>();
+        if (file.empty() || file.find('/') != std::string::npos || file[0] == '.') {
+          bad(what, where + " names file '" + file + "' outside the checkpoint directory");
+        }
+        t.pieces.push_back({file, p["rows"][0].get<int64_t>(), p["rows"][1].get<int64_t>()});
+      }
+      std::sort(t.pieces.begin(), t.pieces.end(),
+                [](const Piece& a, const Piece& b) { return a.begin < b.begin; });
+      int64_t next = 0;
+      const int64_t dim0 = dim0_of(t.shape);
+      for (const auto& p : t.pieces) {
+        if (p.begin != next || p.end < p.begin || p.end > dim0) {
+          bad(what, where + " (" + std::to_string(dim0) + " rows): piece rows [" +
+                        std::to_string(p.begin) + ", " + std::to_string(p.end) + ") in " +
+                        p.file + " do not continue at row " + std::to_string(next) +
+                        "; the metadata is corrupt");
+        }
+        next = p.end;
+      }
+      if (next != dim0 && !(dim0 == 0 && t.pieces.empty())) {
+        bad(what, where + ": rows [" + std::to_string(next) + ", " + std::to_string(dim0) +
+                      ") are in no file; the checkpoint is incomplete");
+      }
+      tensors_[key] = std::move(t);
+    }
+  } else if (fs::exists(full, ec)) {
+    type_ = "full";
+    meta_ = parse_json_file(full.string());
+    if (meta_.value("type", "") != "full") bad(full.string(), "\"type\" is not \"full\"");
+    for (const char* f : {kModelFile, kOptimizerFile}) {
+      fs::path p = fs::path(path) / f;
+      if (std::string(f) == kOptimizerFile && !fs::exists(p, ec)) continue;
+      readers_[f] = std::make_unique<SafetensorsReader>(p.string());
+      add_whole_file(*readers_[f], f, tensors_);
+    }
+  } else {
+    throw FormatError(path + ": not a checkpoint: no " + kFullMetaFile + " (full) or " +
+                      kShardedMetaFile + " (sharded) in it; pass a directory written by "
+                      "save_checkpoint (e.g. <checkpoint-dir>/last) or a .safetensors file");
+  }
+
+  // Open every file a piece names and check that it holds that piece (validated headers).
+  for (const auto& [key, t] : tensors_) {
+    for (const auto& p : t.pieces) {
+      const SafetensorsReader& r = reader(p.file);
+      const TensorEntry& e = r.entry(key);
+      std::vector<int64_t> want = piece_shape(t.shape, p.end - p.begin);
+      if (e.shape != want || e.dtype != t.dtype) {
+        bad(r.path(), "tensor '" + key + "' is " + shape_str(e.shape) + " " +
+                          dtype_name(e.dtype) + " but the metadata says rows [" +
+                          std::to_string(p.begin) + ", " + std::to_string(p.end) + ") of " +
+                          shape_str(t.shape) + " " + dtype_name(t.dtype) +
+                          " (" + shape_str(want) + "); the checkpoint files do not belong together");
+      }
+    }
+  }
+}
+
+const SourceTensor* Source::find(const std::string& key) const {
+  auto it = tensors_.find(key);
+  return it == tensors_.end() ? nullptr : &it->second;
+}
+
+const SafetensorsReader& Source::reader(const std::string& file) const {
+  auto it = readers_.find(file);
+  if (it != readers_.end()) return *it->second;
+  auto& slot = const_cast<Source*>(this)->readers_[file];
+  try {
+    slot = std::make_unique<SafetensorsReader>((fs::path(dir_) / file).string());
+  } catch (...) {
+    const_cast<Source*>(this)->readers_.erase(file);
+    throw;
+  }
+  return *slot;
+}
+
+void Source::read_piece(const std::string& key, const Piece& piece, void* dst,
+                        size_t nbytes) const {
+  const SafetensorsReader& r = reader(piece.file);
+  r.read(key, dst, nbytes);
+}
+
+void Source::read_rows(const std::string& key, int64_t row_begin, int64_t rows,
+                       const at::Tensor& dst) const {
+  const SourceTensor* t = find(key);
+  TORCH_INTERNAL_ASSERT(t, "read_rows of unknown key ", key);
+  TORCH_INTERNAL_ASSERT(dst.is_contiguous());
+  const int64_t dim0 = dim0_of(t->shape);
+  TORCH_INTERNAL_ASSERT(row_begin >= 0 && row_begin + rows <= dim0);
+  if (rows == 0) return;
+  const int64_t row_numel = dim0 == 0 ? 0 : [&] {
+    int64_t n = 1;
+    for (size_t i = 1; i < t->shape.size(); ++i) n *= t->shape[i];
+    return n;
+  }();
+  TORCH_INTERNAL_ASSERT(dst.numel() == rows * row_numel, "read_rows: destination of ",
+                        dst.numel(), " elements for ", rows, " rows of ", row_numel);
+  const at::ScalarType file_type = to_scalar_type(t->dtype);
+  const bool direct = dst.scalar_type() == file_type;
+  at::Tensor flat = dst.view({-1});
+  for (const auto& p : t->pieces) {
+    const int64_t lo = std::max(p.begin, row_begin);
+    const int64_t hi = std::min(p.end, row_begin + rows);
+    if (lo >= hi) continue;
+    at::Tensor out = flat.narrow(0, (lo - row_begin) * row_numel, (hi - lo) * row_numel);
+    at::Tensor buf = direct ? out : at::empty({(hi - lo) * row_numel}, dst.options().dtype(file_type));
+    reader(p.file).read_rows(key, lo - p.begin, hi - lo, buf.data_ptr(),
+                             static_cast<size_t>(buf.numel() * buf.element_size()));
+    if (!direct) out.copy_(buf);
+  }
+}
+
+void maybe_crash_during_save(int rank, int64_t step) {
+  const char* env = std::getenv("FSDP_TEST_CRASH_DURING_SAVE");
+  if (!env || !*env) return;
+  std::string spec = env;
+  auto colon = spec.find(':');
+  int want_rank = std::atoi(spec.substr(0, colon).c_str());
+  if (want_rank != rank) return;
+  if (colon != std::string::npos && std::atoll(spec.substr(colon + 1).c_str()) != step) return;
+  std::fprintf(stderr, "[checkpoint] FSDP_TEST_CRASH_DURING_SAVE: rank %d exits mid-save "
+               "(step %lld)\n", rank, static_cast<long long>(step));
+  std::fflush(stderr);
+  ::_exit(86);
+}
+
+}  // namespace fsdp::ckpt

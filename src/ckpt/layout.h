@@ -1,0 +1,94 @@
+// Checkpoint internals shared by save, load and conversion.
+//
+// Note [Checkpoint layout]
+// ------------------------
+// Every tensor is handled as rows: a tensor of shape (d0, d1, ...) has d0 rows of d1*... elements;
+// 0-d and 1-d tensors are rows of one element (0-d: one row), which is exactly how FSDP shards
+// parameters (src/shard/fsdp_param.h). A tensor's rows live in one or more pieces, each a
+// contiguous row range [begin, end) stored as its own safetensors entry (shape [end-begin,
+// d1, ...], or [] for a 0-d tensor) under the tensor's key:
+//   model tensors       key = FQN ("layers.0.ff.w1")
+//   optimizer state     key = "optim.<FQN>.<stat>" (exp_avg, exp_avg_sq, max_exp_avg_sq,
+//                       momentum_buffer), same rows as its parameter
+// A full checkpoint has one piece per tensor (model.safetensors / optimizer.safetensors); a
+// sharded one has the unpadded rows each rank held (shard-<r>-of-<W>.safetensors) and lists the
+// pieces in metadata.json. A loader asks for the row range its rank holds and reads the
+// overlapping part of every piece: that is resharding.
+#pragma once
+
+#include "ckpt/safetensors.h"
+#include "fsdp/comm.h"
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace fsdp::ckpt {
+
+using json = nlohmann::json;
+
+constexpr const char* kFullMetaFile = "meta.json";
+constexpr const char* kShardedMetaFile = "metadata.json";
+constexpr const char* kModelFile = "model.safetensors";
+constexpr const char* kOptimizerFile = "optimizer.safetensors";
+constexpr const char* kOptimPrefix = "optim.";
+constexpr int kFormatVersion = 1;
+
+DType to_dtype(at::ScalarType type);
+at::ScalarType to_scalar_type(DType dtype);
+std::string shape_str(const std::vector<int64_t>& shape);
+std::string shard_file_name(int rank, int world);
+// Shape of a piece of `rows` rows of a tensor of `full` shape.
+std::vector<int64_t> piece_shape(const std::vector<int64_t>& full, int64_t rows);
+int64_t dim0_of(const std::vector<int64_t>& full);  // rows (0-d: 1)
+
+struct Piece {
+  std::string file;  // relative to the checkpoint directory
+  int64_t begin = 0;
+  int64_t end = 0;
+};
+
+struct SourceTensor {
+  std::vector<int64_t> shape;
+  DType dtype = DType::kF32;
+  std::vector<Piece> pieces;  // sorted, disjoint, covering [0, dim0)
+};
+
+// A checkpoint opened for reading: every file header and the piece table validated.
+class Source {
+ public:
+  // A checkpoint directory (full or sharded) or a bare .safetensors file. Throws FormatError.
+  explicit Source(const std::string& path);
+
+  const std::string& path() const { return path_; }
+  const std::string& type() const { return type_; }  // "full" | "sharded" | "safetensors"
+  const json& meta() const { return meta_; }
+  const std::map<std::string, SourceTensor>& tensors() const { return tensors_; }
+  const SourceTensor* find(const std::string& key) const;
+
+  // Rows [row_begin, row_begin + rows) of `key` into `dst` (contiguous, rows * row elements of
+  // any dtype; converted when it differs from the file's).
+  void read_rows(const std::string& key, int64_t row_begin, int64_t rows,
+                 const at::Tensor& dst) const;
+  // Reads one piece's bytes (for streaming conversion).
+  void read_piece(const std::string& key, const Piece& piece, void* dst, size_t nbytes) const;
+
+ private:
+  const SafetensorsReader& reader(const std::string& file) const;
+  std::string path_;
+  std::string dir_;
+  std::string type_;
+  json meta_;
+  std::map<std::string, SourceTensor> tensors_;
+  std::map<std::string, std::unique_ptr<SafetensorsReader>> readers_;
+};
+
+// Exits the process (_exit) when FSDP_TEST_CRASH_DURING_SAVE is "<rank>" or "<rank>:<step>"
+// matching this save: used only by the crash-safety test.
+void maybe_crash_during_save(int rank, int64_t step);
+
+}  // namespace fsdp::ckpt
