@@ -135,8 +135,9 @@ std::shared_ptr<FSDPStrategy> make_fsdp_strategy(const std::string& name, FSDPOp
   }();
   if (lower != "fsdp") {
     const std::string prefix = "fsdp_";
+    const std::vector<std::string> names = fsdp_strategy_names();
     TORCH_CHECK(lower.rfind(prefix, 0) == 0 &&
-                    std::count(fsdp_strategy_names().begin(), fsdp_strategy_names().end(), lower),
+                    std::find(names.begin(), names.end(), lower) != names.end(),
                 "[make_fsdp_strategy] unknown FSDP strategy '", name, "'; valid names: ",
                 join(fsdp_strategy_names()));
     const ShardingStrategy named = parse_sharding_strategy(lower.substr(prefix.size()));
