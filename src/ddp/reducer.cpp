@@ -284,7 +284,7 @@ void Reducer::finalize_backward() {
                 " trainable parameter(s) received no gradient in this backward: ", names.str(),
                 ". DDP waits for every parameter's gradient before it can all-reduce its bucket. "
                 "---> HINT: if these parameters are unused on purpose, pass "
-                "find_unused_parameters=true (DDPOptions / --find-unused-parameters), or set "
+                "find_unused_parameters=true (fsdp::DDPOptions), or set "
                 "requires_grad=false on them; otherwise check that forward uses them and that "
                 "the loss depends on its output");
   }
