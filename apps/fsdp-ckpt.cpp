@@ -1,0 +1,103 @@
+// fsdp-ckpt: look into and convert checkpoints (see include/fsdp/checkpoint.h).
+//
+//   fsdp-ckpt inspect ckpt/step-100            tensors, shapes, dtypes, world size, step
+//   fsdp-ckpt inspect --json ckpt/step-100
+//   fsdp-ckpt convert ckpt/step-100 model.safetensors          consolidate (streaming)
+//   fsdp-ckpt convert --to sharded --world 4 ckpt/step-100 ckpt/step-100-w4
+//
+// Conversion streams one tensor piece at a time: memory stays bounded by the largest piece
+// (at most the largest tensor), never the model. Errors print one line and exit 1.
+#include <fsdp/checkpoint.h>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <iostream>
+#include <string>
+
+namespace {
+
+std::string shape_str(const std::vector<int64_t>& s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+int inspect(const std::string& path, bool as_json) {
+  fsdp::CheckpointInfo info = fsdp::inspect_checkpoint(path);
+  if (as_json) {
+    nlohmann::json j = {{"path", path},
+                        {"type", info.type},
+                        {"world_size", info.world_size},
+                        {"strategy", info.strategy},
+                        {"global_step", info.progress.global_step},
+                        {"epoch", info.progress.epoch},
+                        {"batch_in_epoch", info.progress.batch_in_epoch}};
+    nlohmann::json ts = nlohmann::json::array();
+    for (const auto& t : info.tensors) {
+      ts.push_back({{"name", t.name}, {"dtype", t.dtype}, {"shape", t.shape}, {"pieces", t.pieces}});
+    }
+    j["tensors"] = ts;
+    std::cout << j.dump(1) << "\n";
+    return 0;
+  }
+  std::cout << path << ": " << info.type << " checkpoint";
+  if (info.world_size) std::cout << ", saved at world size " << info.world_size;
+  if (!info.strategy.empty()) std::cout << " by strategy " << info.strategy;
+  std::cout << "\nstep " << info.progress.global_step << ", epoch " << info.progress.epoch
+            << ", next batch " << info.progress.batch_in_epoch << "\n";
+  int64_t elements = 0;
+  for (const auto& t : info.tensors) {
+    int64_t n = 1;
+    for (int64_t d : t.shape) n *= d;
+    elements += n;
+    std::cout << "  " << t.name << "  " << t.dtype << " " << shape_str(t.shape);
+    if (t.pieces != 1) std::cout << "  (" << t.pieces << " pieces)";
+    std::cout << "\n";
+  }
+  std::cout << info.tensors.size() << " tensors, " << elements << " elements\n";
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"fsdp-ckpt: inspect and convert fsdp.cpp checkpoints"};
+  app.require_subcommand(1);
+  std::string path, in, out, to = "safetensors";
+  bool as_json = false;
+  int world = 0;
+  auto* ins = app.add_subcommand("inspect", "tensors, shapes, dtypes, world size, step");
+  ins->add_option("path", path, "checkpoint directory or .safetensors file")->required();
+  ins->add_flag("--json", as_json, "print JSON");
+  auto* conv = app.add_subcommand("convert", "consolidate to one safetensors file, or reshard");
+  conv->add_option("--to", to, "safetensors (one file of model weights) | sharded")
+      ->check(CLI::IsMember({"safetensors", "sharded"}));
+  conv->add_option("--world", world, "--to sharded: ranks to shard for")->check(CLI::PositiveNumber);
+  conv->add_option("input", in, "checkpoint directory (full or sharded)")->required();
+  conv->add_option("output", out, "output .safetensors file (or directory for --to sharded)")
+      ->required();
+  CLI11_PARSE(app, argc, argv);
+  try {
+    if (ins->parsed()) return inspect(path, as_json);
+    if (to == "sharded") {
+      if (world <= 0) {
+        std::cerr << "fsdp-ckpt convert: --to sharded needs --world N\n";
+        return 2;
+      }
+      fsdp::convert_to_sharded(in, out, world);
+      std::cout << "wrote sharded checkpoint for world " << world << " to " << out << "\n";
+    } else {
+      fsdp::convert_to_safetensors(in, out);
+      std::cout << "wrote " << out << "\n";
+    }
+  } catch (const std::exception& e) {
+    std::string msg = e.what();
+    // c10::Error appends a C++ backtrace line; keep the first line.
+    auto nl = msg.find("\nException raised from");
+    if (nl != std::string::npos) msg = msg.substr(0, nl);
+    std::cerr << "fsdp-ckpt: error: " << msg << "\n";
+    return 1;
+  }
+  return 0;
+}
