@@ -1,0 +1,159 @@
+// fsdp-bench checkpoint: save and load time and peak tensor memory per rank for full vs sharded
+// checkpoints of one model under FSDP (world 2 by default), and the streaming converter.
+// Prints one JSON object on stdout (rank 0).
+//
+//   fsdp-bench checkpoint [--model transformer-small] [--world 2] [--dir /tmp/fsdp-bench-ckpt]
+//
+// The ranks are launched by the Trainer (fsdp::launch re-executes this program). One optimizer
+// step runs first so AdamW state exists. Peak memory is the tracking allocator's peak tensor
+// bytes per rank during each operation, beside the model-state bytes the rank holds (its
+// shards of parameters and optimizer state): "extra" = peak - before is what the operation
+// itself needed. For a full save under FSDP rank 0's extra should stay near the largest tensor
+// (it gathers one at a time), not the model.
+#include "bench.h"
+
+#include <fsdp/checkpoint.h>
+#include <fsdp/fsdp.h>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <filesystem>
+#include <iostream>
+
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+struct BenchLM : fsdp::LightningModule {
+  std::string name;
+  int64_t vocab;
+  std::shared_ptr<fsdp::nn::Module> model;
+  std::shared_ptr<torch::optim::Optimizer> opt;
+  BenchLM(std::string n, int64_t v) : name(std::move(n)), vocab(v) {}
+  void configure_model() override {
+    if (!model) model = register_module("model", fsdp::demos::make_model(name, vocab, 0.0));
+  }
+  at::Tensor training_step(const fsdp::Batch& b, int64_t) override {
+    return at::nll_loss((*model)(b.input, b.target), b.target.reshape(-1));
+  }
+  fsdp::OptimizerConfig configure_optimizers() override {
+    opt = std::make_shared<torch::optim::AdamW>(parameters(), torch::optim::AdamWOptions(1e-4));
+    return {opt, nullptr};
+  }
+};
+
+double now_s() {
+  using namespace std::chrono;
+  return duration<double>(steady_clock::now().time_since_epoch()).count();
+}
+
+int run_checkpoint(const std::vector<std::string>& args) {
+  CLI::App app{"fsdp-bench checkpoint"};
+  std::string model = "transformer-small";
+  int world = 2;
+  int64_t vocab = 33278;
+  std::string dir = "/tmp/fsdp-bench-ckpt";
+  app.add_option("--model", model, "demo model preset");
+  app.add_option("--world", world, "ranks");
+  app.add_option("--vocab-size", vocab, "vocabulary (the preset's WikiText-2 size by default)");
+  app.add_option("--dir", dir, "scratch directory for the checkpoints");
+  std::vector<std::string> rev(args.rbegin(), args.rend());
+  try {
+    app.parse(rev);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+
+  fsdp::FSDPOptions fo;
+  fo.auto_wrap_policy = fsdp::AutoWrapPolicy::of_types(fsdp::demos::layer_types(model));
+  fsdp::TrainerOptions t;
+  t.devices = world;
+  t.strategy = std::make_shared<fsdp::FSDPStrategy>(fo);
+  t.max_steps = 1;
+  t.seed = 42;
+  t.enable_progress_bar = false;
+  t.enable_summary = false;
+  t.logger = false;
+  fsdp::Trainer trainer(t);
+  auto data = std::make_shared<fsdp::demos::SyntheticCorpus>(vocab, 20000, 42);
+  fsdp::DataLoader loader(data, 2, fsdp::DistributedSampler(data->size()));
+  BenchLM lm(model, vocab);
+  trainer.fit(lm, loader);
+  auto& strategy = *trainer.strategy();
+  auto& pg = *trainer.world();
+
+  json out = {{"bench", "checkpoint"}, {"model", model}, {"world", world},
+              {"params", trainer.results().params}};
+  auto measure = [&](const std::string& what, const std::function<void()>& fn) {
+    strategy.barrier();
+    const int64_t before = fsdp::memory_stats().current_bytes;
+    fsdp::reset_peak_memory_stats();
+    const double t0 = now_s();
+    fn();
+    strategy.barrier();
+    const double secs = now_s() - t0;
+    at::Tensor extra = at::tensor({fsdp::memory_stats().peak_bytes - before, before}, at::kLong);
+    at::Tensor all = at::empty({2 * world}, at::kLong);
+    pg.all_gather_into_tensor(all, extra);
+    json per_rank_extra = json::array(), per_rank_before = json::array();
+    for (int r = 0; r < world; ++r) {
+      per_rank_extra.push_back(all[2 * r].item<int64_t>() / 1048576.0);
+      per_rank_before.push_back(all[2 * r + 1].item<int64_t>() / 1048576.0);
+    }
+    out[what] = {{"seconds", secs},
+                 {"extra_peak_mb_per_rank", per_rank_extra},
+                 {"resident_mb_per_rank", per_rank_before}};
+  };
+
+  if (trainer.is_global_zero()) {
+    fs::remove_all(dir);
+    fs::create_directories(dir);
+  }
+  strategy.barrier();
+  for (std::string type : {"full", "sharded"}) {
+    const std::string path = dir + "/" + type;
+    auto st = fsdp::parse_state_dict_type(type);
+    measure("save_" + type, [&] {
+      fsdp::TrainingProgress p;
+      p.global_step = 1;
+      fsdp::save_checkpoint(path, strategy, lm, lm.opt.get(), p, st);
+    });
+    measure("load_" + type, [&] { fsdp::load_checkpoint(path, strategy, lm, lm.opt.get()); });
+    if (trainer.is_global_zero()) {
+      int64_t bytes = 0;
+      for (auto& e : fs::directory_iterator(path)) bytes += fs::file_size(e.path());
+      out["save_" + type]["bytes_on_disk_mb"] = bytes / 1048576.0;
+    }
+  }
+  // The converter runs on rank 0 alone (others wait at the barrier).
+  measure("convert_sharded_to_safetensors", [&] {
+    if (trainer.is_global_zero()) {
+      fsdp::convert_to_safetensors(dir + "/sharded", dir + "/model.safetensors");
+    }
+  });
+  if (trainer.is_global_zero()) {
+    int64_t largest = 0, total = 0;
+    for (const auto& info : fsdp::inspect_checkpoint(dir + "/model.safetensors").tensors) {
+      int64_t n = 4;
+      for (int64_t d : info.shape) n *= d;
+      largest = std::max(largest, n);
+      total += n;
+    }
+    out["model_mb"] = total / 1048576.0;
+    out["largest_tensor_mb"] = largest / 1048576.0;
+    out["note"] = "extra_peak_mb = peak tensor bytes during the operation minus bytes held "
+                  "before it (tracking allocator); resident_mb = bytes held before it";
+    std::cout << out.dump(1) << std::endl;
+  }
+  return 0;
+}
+
+fsdp::bench::Registrar reg("checkpoint",
+                           "checkpoint save/load time and peak memory per rank (full vs "
+                           "sharded, fsdp) and the streaming converter",
+                           run_checkpoint);
+
+}  // namespace
