@@ -1,0 +1,195 @@
+// Checkpoints through the programs: fsdp-train --checkpoint-dir/--ckpt-path exact resume, a rank
+// killed mid-save, and fsdp-ckpt inspect/convert checked with an independent numpy reader.
+#include "fsdp/checkpoint.h"
+#include "fully_shard_common.h"
+#include "testing.h"
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <fstream>
+
+namespace fs = std::filesystem;
+using fsdp::testing::run_process;
+using json = nlohmann::json;
+
+namespace {
+
+std::string scratch(const std::string& name) {
+  fs::path p = (fs::path(FSDP_BIN_DIR) / ".." / "ckpt-test-cli" / name).lexically_normal();
+  fs::remove_all(p);
+  fs::create_directories(p);
+  return p.string();
+}
+
+// A tiny run: 4 batches per epoch so 6 steps cross an epoch boundary; --num-tokens fixed so the
+// corpus does not depend on --max-steps.
+std::vector<std::string> train_argv(const std::string& dir, int devices, int batch,
+                                    int max_steps, const std::string& strategy) {
+  return {fsdp::testing::bin_path("fsdp-train"), "--model", "transformer-tiny",
+          "--max-steps", std::to_string(max_steps), "--batch-size", std::to_string(batch),
+          "--devices", std::to_string(devices), "--strategy", strategy, "--dropout", "0",
+          "--seed", "7", "--num-tokens", "20000", "--limit-train-batches", "4",
+          "--limit-val-batches", "0", "--no-progress-bar", "--default-root-dir", dir + "/logs"};
+}
+
+std::vector<double> run_losses(std::vector<std::string> argv, const std::string& summary,
+                               const std::map<std::string, std::string>& env = {}) {
+  argv.push_back("--summary-json");
+  argv.push_back(summary);
+  auto r = run_process(argv, env, 240);
+  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+  std::ifstream f(summary);
+  if (!f) return {};
+  return json::parse(f)["losses"].get<std::vector<double>>();
+}
+
+// The fsdp-train model as a plain module (vocabulary from the checkpoint).
+struct PlainLM : fsdp::testing::TinyLM {
+  int64_t vocab;
+  explicit PlainLM(int64_t v) : vocab(v) {}
+  void configure_model() override {
+    if (!model) model = register_module("model", fsdp::demos::make_model(model_name, vocab, 0.0));
+  }
+};
+
+int64_t vocab_of(const std::string& ckpt) {
+  for (const auto& t : fsdp::inspect_checkpoint(ckpt).tensors) {
+    if (t.name == "model.embedding.weight") return t.shape.at(0);
+  }
+  ADD_FAILURE() << "no model.embedding.weight in " << ckpt;
+  return 0;
+}
+
+std::vector<std::string> plus(std::vector<std::string> a, const std::vector<std::string>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+}  // namespace
+
+// 6 steps straight == 3 steps, save, resume, 3 steps: bitwise at the same world size and
+// strategy, within 1e-6 at world 1 with the same global batch.
+TEST(CheckpointCli, ExactResumeFsdpBitwiseAndAcrossWorlds) {
+  for (std::string type : {"sharded", "full"}) {
+    SCOPED_TRACE(type);
+    std::string dir = scratch("resume-" + type);
+    auto straight = run_losses(train_argv(dir, 2, 2, 6, "fsdp"), dir + "/straight.json");
+    ASSERT_EQ(straight.size(), 6u);
+    auto first = run_losses(plus(train_argv(dir, 2, 2, 3, "fsdp"),
+                                 {"--checkpoint-dir", dir + "/ckpt", "--save-every-n-steps", "3",
+                                  "--state-dict-type", type}),
+                            dir + "/first.json");
+    ASSERT_EQ(first.size(), 3u);
+    for (int i = 0; i < 3; ++i) EXPECT_EQ(first[i], straight[i]);
+    ASSERT_TRUE(fs::exists(dir + "/ckpt/step-3"));
+    ASSERT_TRUE(fs::is_symlink(dir + "/ckpt/last"));
+    EXPECT_EQ(fs::read_symlink(dir + "/ckpt/last").string(), "step-3");
+
+    auto resumed = run_losses(plus(train_argv(dir, 2, 2, 6, "fsdp"),
+                                   {"--ckpt-path", dir + "/ckpt/last"}),
+                              dir + "/resumed.json");
+    ASSERT_EQ(resumed.size(), 3u) << "--max-steps counts from the start of training";
+    for (int i = 0; i < 3; ++i) EXPECT_EQ(resumed[i], straight[3 + i]) << "step " << 3 + i;
+
+    // Another world size, same global batch (1 x 4 == 2 x 2).
+    auto single = run_losses(plus(train_argv(dir, 1, 4, 6, "single"),
+                                  {"--ckpt-path", dir + "/ckpt/step-3"}),
+                             dir + "/single.json");
+    ASSERT_EQ(single.size(), 3u);
+    for (int i = 0; i < 3; ++i) {
+      EXPECT_NEAR(single[i], straight[3 + i], 1e-6 * std::abs(straight[3 + i])) << i;
+    }
+  }
+}
+
+// A rank that dies in the middle of writing step 4 leaves step-2 and `last` loadable.
+TEST(CheckpointCli, RankKilledMidSaveLeavesPreviousCheckpoint) {
+  std::string dir = scratch("crash");
+  auto argv = plus(train_argv(dir, 2, 2, 6, "fsdp"),
+                   {"--checkpoint-dir", dir + "/ckpt", "--save-every-n-steps", "2",
+                    "--state-dict-type", "sharded"});
+  auto r = run_process(argv, {{"FSDP_TEST_CRASH_DURING_SAVE", "1:4"}}, 240);
+  EXPECT_NE(r.exit_code, 0) << "the run should fail when rank 1 dies";
+  EXPECT_NE(r.err.find("FSDP_TEST_CRASH_DURING_SAVE"), std::string::npos) << r.err;
+  EXPECT_TRUE(fs::exists(dir + "/ckpt/step-2/metadata.json"));
+  EXPECT_FALSE(fs::exists(dir + "/ckpt/step-4")) << "an incomplete save was published";
+  EXPECT_EQ(fs::read_symlink(dir + "/ckpt/last").string(), "step-2");
+  // `last` loads and resumes.
+  auto resumed = run_losses(plus(train_argv(dir, 2, 2, 4, "fsdp"),
+                                 {"--ckpt-path", dir + "/ckpt/last"}),
+                            dir + "/resumed.json");
+  EXPECT_EQ(resumed.size(), 2u);
+  auto info = fsdp::inspect_checkpoint(dir + "/ckpt/last");
+  EXPECT_EQ(info.progress.global_step, 2);
+}
+
+// fsdp-ckpt: inspect, consolidate a sharded checkpoint (read back with numpy), reshard to 3.
+TEST(CheckpointCli, InspectAndConvertCheckedWithNumpy) {
+  std::string dir = scratch("convert");
+  auto losses = run_losses(plus(train_argv(dir, 2, 2, 2, "fsdp"),
+                                {"--checkpoint-dir", dir + "/ckpt", "--save-every-n-steps", "2",
+                                 "--state-dict-type", "sharded"}),
+                           dir + "/s.json");
+  ASSERT_EQ(losses.size(), 2u);
+  const std::string ckpt = dir + "/ckpt/step-2";
+  const std::string tool = fsdp::testing::bin_path("fsdp-ckpt");
+
+  auto ins = run_process({tool, "inspect", "--json", ckpt});
+  ASSERT_EQ(ins.exit_code, 0) << ins.err;
+  auto info = json::parse(ins.out);
+  EXPECT_EQ(info["type"], "sharded");
+  EXPECT_EQ(info["world_size"], 2);
+  EXPECT_EQ(info["global_step"], 2);
+  EXPECT_GT(info["tensors"].size(), 4u);
+
+  const std::string out = dir + "/model.safetensors";
+  auto conv = run_process({tool, "convert", ckpt, out});
+  ASSERT_EQ(conv.exit_code, 0) << conv.err;
+
+  // Reference values: the sharded checkpoint loaded into a plain module.
+  PlainLM lm(vocab_of(ckpt));
+  lm.configure_model();
+  fsdp::load_weights(lm, ckpt);
+  auto py = run_process({"/usr/bin/python3", std::string(FSDP_SOURCE_DIR) +
+                                                 "/tests/read_safetensors.py", out});
+  ASSERT_EQ(py.exit_code, 0) << py.err;
+  auto doc = json::parse(py.out)["tensors"];
+  auto params = lm.named_parameters();
+  ASSERT_EQ(doc.size(), params.size());
+  for (auto& item : params) {
+    ASSERT_TRUE(doc.contains(item.key())) << item.key();
+    auto& t = doc[item.key()];
+    EXPECT_EQ(t["shape"].get<std::vector<int64_t>>(), item.value().sizes().vec()) << item.key();
+    auto flat = item.value().detach().reshape({-1});
+    auto values = t["values"].get<std::vector<double>>();
+    ASSERT_EQ(static_cast<int64_t>(values.size()), flat.numel());
+    const float* p = flat.data_ptr<float>();
+    for (int64_t i = 0; i < flat.numel(); ++i) {
+      ASSERT_EQ(static_cast<float>(values[i]), p[i]) << item.key() << "[" << i << "]";
+    }
+  }
+
+  // Reshard to 3 and back: identical weights.
+  auto resh = run_process({tool, "convert", "--to", "sharded", "--world", "3", ckpt,
+                           dir + "/w3"});
+  ASSERT_EQ(resh.exit_code, 0) << resh.err;
+  EXPECT_TRUE(fs::exists(dir + "/w3/shard-2-of-3.safetensors"));
+  PlainLM lm3(lm.vocab);
+  lm3.configure_model();
+  for (auto& p : lm3.parameters()) {
+    torch::NoGradGuard g;
+    p.zero_();
+  }
+  fsdp::load_weights(lm3, dir + "/w3");
+  auto p3 = lm3.named_parameters();
+  for (auto& item : params) EXPECT_TRUE(at::equal(item.value(), p3[item.key()])) << item.key();
+  // The resharded checkpoint keeps the optimizer state and progress.
+  EXPECT_EQ(fsdp::inspect_checkpoint(dir + "/w3").progress.global_step, 2);
+
+  // Errors: one line, exit 1.
+  auto bad = run_process({tool, "inspect", dir});
+  EXPECT_EQ(bad.exit_code, 1);
+  EXPECT_NE(bad.err.find("not a checkpoint"), std::string::npos) << bad.err;
+}
