@@ -26,8 +26,8 @@ test: build
 	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) $(CTEST_ARGS)
 
 demo: build
-	$(BUILD_DIR)/bin/fsdp-train --model transformer-small --strategy ddp --devices 2 \
-	    --max-steps 60 --batch-size 8 --lr 3e-4 $(DEMO_ARGS)
+	$(BUILD_DIR)/bin/fsdp-train --model transformer-small --strategy fsdp --devices 2 \
+	    --max-steps 40 --batch-size 4 --lr 1e-3 $(DEMO_ARGS)
 
 bench: build
 	$(BUILD_DIR)/bin/fsdp-bench comm --json
