@@ -321,7 +321,10 @@ void FsdpParamGroup::post_backward() {
   TORCH_INTERNAL_ASSERT(is_unsharded(), "[fully_shard] post-backward of unit '", name_,
                         "' found it ", to_string(sharded_state_), "; its parameters were freed "
                         "before its backward finished");
-  if (state_->sync()) issue_reduce_scatter();  // See Note [No-sync gradient accumulation]
+  if (state_->sync()) {  // See Note [No-sync gradient accumulation]
+    issue_reduce_scatter();
+    state_->reduce_scatter_issued(*this);
+  }
   reshard(ShardedState::kSharded);
   training_state_ = TrainingState::kPostBackward;
   if (state_->config().backward_prefetch == BackwardPrefetch::kPost) {

@@ -50,6 +50,9 @@ class FsdpState {
   bool backward_finalized() const { return !callback_queued_; }
   void finish_step();                   // Strategy::post_backward: wait, check invariants
   void finish_eval_step();              // reshard everything, drop prefetches
+  // A unit has just issued its reduce-scatter: finish the one issued before it (by another
+  // unit). See Note [One reduce-scatter in flight] in fsdp_state.cpp.
+  void reduce_scatter_issued(FsdpParamGroup& unit);
 
   // --- prefetch. See Note [Prefetch] in fsdp_state.cpp.
   void record_forward(FsdpParamGroup& unit);
@@ -74,6 +77,7 @@ class FsdpState {
 
   bool sync_ = true;
   bool callback_queued_ = false;
+  FsdpParamGroup* reduce_scatter_in_flight_ = nullptr;
   bool order_frozen_ = false;
   std::vector<FsdpParamGroup*> forward_order_;
   int64_t num_prefetches_ = 0;
