@@ -295,8 +295,13 @@ int run(const Args& a, const ModelSpec& spec_in) {
     std::vector<double> alloc, rss;
     for (auto b : r.peak_alloc_bytes) alloc.push_back(b / 1048576.0);
     for (auto b : r.peak_rss_bytes) rss.push_back(b / 1048576.0);
-    j["peak_alloc_mb"] = alloc;
+    j["peak_alloc_mb"] = alloc;  // during training (peaks reset after setup)
     j["peak_rss_mb"] = rss;
+    std::vector<double> setup_alloc, setup_rss;
+    for (auto b : r.setup_peak_alloc_bytes) setup_alloc.push_back(b / 1048576.0);
+    for (auto b : r.setup_peak_rss_bytes) setup_rss.push_back(b / 1048576.0);
+    j["setup_peak_alloc_mb"] = setup_alloc;
+    j["setup_peak_rss_mb"] = setup_rss;
     j["losses"] = r.losses;
     j["final_loss"] = r.losses.empty() ? nlohmann::json(nullptr) : nlohmann::json(r.losses.back());
     j["metrics"] = r.metrics;

@@ -31,6 +31,9 @@ void reset_peak_memory_stats();  // peak := current, counters := 0
 
 int64_t current_rss_bytes();  // from /proc/self/statm
 int64_t peak_rss_bytes();     // VmHWM from /proc/self/status
+// Resets VmHWM to the current RSS (writes 5 to /proc/self/clear_refs); false when the kernel
+// does not allow it. The Trainer calls it after setup so training peaks are not setup peaks.
+bool reset_peak_rss();
 
 // Allocations that would push current_bytes above the budget throw OutOfMemoryError and leave
 // the process usable. 0 removes the budget.

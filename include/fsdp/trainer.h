@@ -127,8 +127,13 @@ struct FitResults {
   double it_per_s = 0;             // optimizer steps per second, first step (warm-up) excluded
   int64_t params = 0;              // parameter elements of the model after configure_model
   int64_t trainable_params = 0;
+  // Per rank, during training: the peaks are reset once setup (configure_model, sharding,
+  // configure_optimizers, resume) is done, so they measure the training steps the way the
+  // reference's memory table does. Setup's own peaks are reported separately.
   std::vector<int64_t> peak_alloc_bytes;  // per rank: peak tensor bytes (tracking allocator)
   std::vector<int64_t> peak_rss_bytes;    // per rank: peak resident set size
+  std::vector<int64_t> setup_peak_alloc_bytes;  // per rank: peak tensor bytes during setup
+  std::vector<int64_t> setup_peak_rss_bytes;    // per rank: peak RSS at the end of setup
   std::map<std::string, double> metrics;  // last value of every logged metric (rank 0 view)
   std::string log_dir;             // the CSV logger's version_N directory ("" without)
 };

@@ -152,6 +152,14 @@ int64_t current_rss_bytes() {
   return resident * static_cast<int64_t>(::sysconf(_SC_PAGESIZE));
 }
 
+bool reset_peak_rss() {
+  std::ofstream clear("/proc/self/clear_refs");
+  if (!clear) return false;
+  clear << "5";
+  clear.flush();
+  return static_cast<bool>(clear);
+}
+
 int64_t peak_rss_bytes() {
   std::ifstream status("/proc/self/status");
   std::string line;

@@ -251,6 +251,11 @@ void Trainer::fit_impl(LightningModule& module, DataLoader& train_loader,
   next_epoch_ = 0;
   next_batch_ = 0;
   if (!resume_path_.empty()) resume_from_checkpoint();
+  // Setup is done: remember its peaks and measure training on its own (see FitResults).
+  const int64_t setup_peak_alloc = memory_stats().peak_bytes;
+  const int64_t setup_peak_rss = peak_rss_bytes();
+  reset_peak_memory_stats();
+  reset_peak_rss();
   const int64_t start_epoch = next_epoch_;
   const int64_t start_batch = next_batch_;
   const int64_t start_step = global_step_;  // > 0 when resumed
@@ -401,6 +406,17 @@ void Trainer::fit_impl(LightningModule& module, DataLoader& train_loader,
   RankMemory mem = gather_memory(*world_);
   results_.peak_alloc_bytes = mem.peak_bytes;
   results_.peak_rss_bytes = mem.peak_rss_bytes;
+  {
+    at::Tensor mine = at::empty({2}, at::kLong);
+    mine[0] = setup_peak_alloc;
+    mine[1] = setup_peak_rss;
+    at::Tensor all = at::empty({2 * world_size()}, at::kLong);
+    world_->all_gather_into_tensor(all, mine);
+    for (int r = 0; r < world_size(); ++r) {
+      results_.setup_peak_alloc_bytes.push_back(all[2 * r].item<int64_t>());
+      results_.setup_peak_rss_bytes.push_back(all[2 * r + 1].item<int64_t>());
+    }
+  }
   if (o.enable_summary) {
     std::string table = memory_summary(*world_);
     if (is_global_zero()) {
