@@ -39,6 +39,10 @@ bool reset_peak_rss();
 // the process usable. 0 removes the budget.
 void set_memory_budget(int64_t bytes);
 int64_t memory_budget();
+// MemAvailable (/proc/meminfo) divided by the ranks sharing this machine: the budget the Trainer
+// sets when FSDP_MEMORY_BUDGET is unset, so a configuration that cannot fit is refused up front
+// with its computed need instead of swapping the machine. FSDP_MEMORY_BUDGET=0 means no budget.
+int64_t default_memory_budget(int local_ranks);
 
 // Thrown by the tracking allocator when the budget would be exceeded, and by strategies that
 // refuse a configuration up front ("DDP needs 31.2 GiB per rank, budget 12 GiB").

@@ -152,6 +152,20 @@ int64_t current_rss_bytes() {
   return resident * static_cast<int64_t>(::sysconf(_SC_PAGESIZE));
 }
 
+int64_t default_memory_budget(int local_ranks) {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string line;
+  while (std::getline(meminfo, line)) {
+    if (line.rfind("MemAvailable:", 0) == 0) {
+      std::istringstream in(line.substr(13));
+      int64_t kb = 0;
+      in >> kb;
+      return kb * 1024 / std::max(1, local_ranks);
+    }
+  }
+  return 0;  // unknown: no budget
+}
+
 bool reset_peak_rss() {
   std::ofstream clear("/proc/self/clear_refs");
   if (!clear) return false;

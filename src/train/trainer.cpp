@@ -177,6 +177,11 @@ Trainer::Trainer(TrainerOptions options) : options_(std::move(options)) {
   lo.backend = backend;
   launch_ = launch(lo);  // devices > 1: from here on this code runs in every rank
   install_tracking_allocator();
+  // No budget given: this rank's share of the memory available now (see memory.h).
+  if (const char* env = std::getenv("FSDP_MEMORY_BUDGET"); (env == nullptr || *env == '\0') &&
+                                                           memory_budget() == 0) {
+    set_memory_budget(default_memory_budget(launch_.local_world_size));
+  }
   world_ = world_group();
   if (!world_) {
     ProcessGroupOptions pgo;
