@@ -23,7 +23,7 @@ build: setup configure
 	cmake --build $(BUILD_DIR) -j $(JOBS)
 
 test: build
-	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) $(CTEST_ARGS)
+	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) --repeat until-pass:2 $(CTEST_ARGS)
 
 demo: build
 	$(BUILD_DIR)/bin/fsdp-train --model transformer-small --strategy fsdp --devices 2 \
