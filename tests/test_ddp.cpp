@@ -305,7 +305,10 @@ TEST(DDP, GradientAsBucketViewGivesTheSameResultsWithOneGradientCopyLess) {
       const int64_t saved = grown_copy - grown_view;
       std::printf("[rank %d] gradient_as_bucket_view saves %lld bytes (gradients: %lld bytes)\n",
                   pg.rank(), static_cast<long long>(saved), static_cast<long long>(grad_bytes));
-      EXPECT_NEAR(static_cast<double>(saved), static_cast<double>(grad_bytes), 0.02 * grad_bytes);
+      // current_bytes is process-wide: the process group's communication threads allocate
+      // small staging tensors concurrently (8 KiB seen in CI), hence the absolute slack.
+      EXPECT_NEAR(static_cast<double>(saved), static_cast<double>(grad_bytes),
+                  std::max(0.02 * grad_bytes, 16384.0));
     }
   });
 }
