@@ -1,4 +1,6 @@
 // fsdp-bench: benchmarks that print JSON. Subcommands live in bench/*.cpp.
+#include <CLI/CLI.hpp>
+
 #include <cstdio>
 #include <iostream>
 
@@ -9,6 +11,29 @@ namespace fsdp::bench {
 std::vector<Entry>& registry() {
   static std::vector<Entry> entries;
   return entries;
+}
+
+std::optional<int> parse_args(CLI::App& app, const std::string& subcommand,
+                              const std::vector<std::string>& args) {
+  const std::string prog = "fsdp-bench " + subcommand;
+  std::vector<const char*> argv = {prog.c_str()};
+  for (const auto& a : args) argv.push_back(a.c_str());
+  try {
+    app.parse(static_cast<int>(argv.size()), argv.data());
+  } catch (const CLI::CallForHelp&) {
+    std::cout << app.help();
+    return 0;
+  } catch (const CLI::ParseError& e) {
+    std::cerr << prog << ": error: " << e.what() << "\n";
+    return 2;
+  }
+  return std::nullopt;
+}
+
+std::filesystem::path self_dir() {
+  std::error_code ec;
+  std::filesystem::path exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  return ec ? std::filesystem::current_path() : exe.parent_path();
 }
 
 Registrar::Registrar(const std::string& name, const std::string& help, Command command) {

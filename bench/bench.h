@@ -6,9 +6,15 @@
 // the process exit status. Benchmarks measure ratios against a baseline run beside them.
 #pragma once
 
+#include <filesystem>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
+
+namespace CLI {
+class App;
+}
 
 namespace fsdp::bench {
 
@@ -24,5 +30,12 @@ struct Entry {
   Command command;
 };
 std::vector<Entry>& registry();
+
+// Parses a subcommand's arguments: std::nullopt to go on, or the status to return at once
+// (0 after --help, 2 after printing one line for a bad flag or value).
+std::optional<int> parse_args(CLI::App& app, const std::string& subcommand,
+                              const std::vector<std::string>& args);
+// Directory of the running fsdp-bench, where the other programs (fsdp-train, ...) are built.
+std::filesystem::path self_dir();
 
 }  // namespace fsdp::bench

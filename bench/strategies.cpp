@@ -134,22 +134,8 @@ int run_strategies(const std::vector<std::string>& args) {
   app.add_option("--fsdp-train", c.fsdp_train, "path of fsdp-train (default: beside fsdp-bench)");
   app.add_option("--work-dir", c.work_dir, "logs and summaries (default: a fresh /tmp dir)");
   app.add_flag("--json", c.json_only, "JSON on stdout (always; the table goes to stderr)");
-  std::vector<const char*> argv = {"fsdp-bench strategies"};
-  for (const auto& a : args) argv.push_back(a.c_str());
-  try {
-    app.parse(static_cast<int>(argv.size()), argv.data());
-  } catch (const CLI::CallForHelp&) {
-    std::cout << app.help();
-    return 0;
-  } catch (const CLI::ParseError& e) {
-    std::cerr << "fsdp-bench strategies: error: " << e.what() << "\n";
-    return 2;
-  }
-  if (c.fsdp_train.empty()) {
-    std::error_code ec;
-    fs::path exe = fs::read_symlink("/proc/self/exe", ec);
-    c.fsdp_train = ((ec ? fs::current_path() : exe.parent_path()) / "fsdp-train").string();
-  }
+  if (auto status = fsdp::bench::parse_args(app, "strategies", args)) return *status;
+  if (c.fsdp_train.empty()) c.fsdp_train = (fsdp::bench::self_dir() / "fsdp-train").string();
   if (!fs::exists(c.fsdp_train)) {
     std::cerr << "fsdp-bench strategies: error: " << c.fsdp_train
               << " not found; build fsdp-train or pass --fsdp-train PATH\n";

@@ -79,12 +79,6 @@ int run(const std::vector<std::string>& argv, const fs::path& out, const fs::pat
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
-fs::path self_dir() {
-  std::error_code ec;
-  fs::path exe = fs::read_symlink("/proc/self/exe", ec);
-  return ec ? fs::current_path() : exe.parent_path();
-}
-
 json run_fsdp_train(const Config& c, const std::string& strategy, int devices,
                     const fs::path& dir) {
   const fs::path summary = dir / ("summary_" + strategy + ".json");
@@ -206,21 +200,11 @@ int run_train(const std::vector<std::string>& args) {
   app.add_option("--fsdp-train", c.fsdp_train, "path of fsdp-train (default: beside fsdp-bench)");
   app.add_option("--work-dir", c.work_dir, "where logs and summaries go (default: /tmp)");
   app.add_flag("--skip-single", c.skip_single, "do not run fsdp.cpp strategy single");
-  std::vector<const char*> argv = {"fsdp-bench train"};
-  for (const auto& a : args) argv.push_back(a.c_str());
-  try {
-    app.parse(static_cast<int>(argv.size()), argv.data());
-  } catch (const CLI::CallForHelp&) {
-    std::cout << app.help();
-    return 0;
-  } catch (const CLI::ParseError& e) {
-    std::cerr << "fsdp-bench train: error: " << e.what() << "\n";
-    return 2;
-  }
-  if (c.fsdp_train.empty()) c.fsdp_train = (self_dir() / "fsdp-train").string();
+  if (auto status = fsdp::bench::parse_args(app, "train", args)) return *status;
+  if (c.fsdp_train.empty()) c.fsdp_train = (fsdp::bench::self_dir() / "fsdp-train").string();
   if (c.peer.empty()) {
     fs::path here = fs::path(__FILE__).parent_path() / "peers" / "ddp_peer.py";
-    fs::path from_exe = self_dir() / ".." / ".." / "bench" / "peers" / "ddp_peer.py";
+    fs::path from_exe = fsdp::bench::self_dir() / ".." / ".." / "bench" / "peers" / "ddp_peer.py";
     c.peer = (fs::exists(here) ? here : from_exe).lexically_normal().string();
   }
   if (c.work_dir.empty()) {
