@@ -5,6 +5,7 @@
 // See README and examples/train_transformer.cpp.
 #pragma once
 
+#include "fsdp/activation_checkpointing.h"
 #include "fsdp/comm.h"
 #include "fsdp/data.h"
 #include "fsdp/ddp.h"

@@ -93,10 +93,15 @@ struct FSDPOptions {
   // (LaunchInfo::local_world_size). Must divide the world size.
   int hybrid_shard_size = 0;
 
+  // Activation checkpointing: every module of these types (typically the wrap policy's) runs
+  // forward without keeping its activations and recomputes them in backward (see
+  // fsdp/activation_checkpointing.h). Applied in setup_module, unless the model already
+  // called apply_activation_checkpointing itself in configure_model. Empty: off.
+  fsdp::nn::ModuleTypes activation_checkpointing_policy;
+
   // --- owned by later issues: present so configurations can name them, but any non-default
   // value is refused with "not supported yet" until the feature works.
   std::string mixed_precision;                           // e.g. "bf16-mixed"
-  fsdp::nn::ModuleTypes activation_checkpointing_policy; // module types to recompute
   bool cpu_offload = false;
   std::string state_dict_type = "full";                  // "full" | "sharded"
 };
@@ -152,6 +157,9 @@ class FSDPStrategy : public Strategy {
   std::vector<std::pair<std::string, at::Tensor>> gather_full_params();
 
  private:
+  // setup_module: FSDPOptions::activation_checkpointing_policy, unless the model applied its own.
+  void apply_checkpointing_policy(LightningModule& module);
+
   FSDPOptions options_;
   std::string name_ = "fsdp";
   std::vector<fsdp::nn::Module*> manual_units_;

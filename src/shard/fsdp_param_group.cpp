@@ -1,5 +1,6 @@
 #include "shard/fsdp_param_group.h"
 
+#include "fsdp/activation_checkpointing.h"
 #include "fsdp/nn.h"
 #include "shard/fsdp_state.h"
 
@@ -269,7 +270,11 @@ void FsdpParamGroup::pre_forward(std::vector<at::Tensor>& inputs) {
   training_state_ = TrainingState::kForward;
   state_->record_forward(*this);
   if (!is_unsharded()) unshard();
-  if (state_->config().forward_prefetch) state_->prefetch_after_forward_of(*this);
+  // A recomputed forward runs during backward: no forward prefetch then. See Note
+  // [Checkpointed units].
+  if (state_->config().forward_prefetch && !fsdp::in_activation_recompute()) {
+    state_->prefetch_after_forward_of(*this);
+  }
   if (!at::GradMode::is_enabled()) return;
   // See Note [Post-backward function].
   std::vector<at::Tensor> with_grad;
@@ -286,8 +291,27 @@ void FsdpParamGroup::pre_forward(std::vector<at::Tensor>& inputs) {
   for (size_t k = 0; k < where.size(); ++k) inputs[where[k]] = outputs[k];
 }
 
+// Note [Checkpointed units]
+// -------------------------
+// Activation checkpointing (fsdp/activation_checkpointing.h) replaces a module's forward by a
+// function that runs it without grad and re-runs it in backward. The module's call hooks run
+// around that wrapper, in forward only:
+//   - a checkpointed module that is a unit: pre-forward unshards and wraps the inputs in the
+//     post-backward function, the block runs without grad, post-forward reshards (FULL_SHARD)
+//     and hooks the output. In backward the output's pre-backward hook unshards the unit again
+//     (or finds it prefetched) before the checkpoint function recomputes, so the recompute
+//     sees full parameters; the nested backward accumulates P.grad, and the post-backward
+//     function fires once, after it, with the whole gradient.
+//   - a unit inside a checkpointed block: its forward under no-grad installs no backward hooks;
+//     the recompute (in backward) calls it again with grad, so its pre-forward unshards it and
+//     installs them. Its post-forward must not reshard then: its backward follows at once
+//     (resharding would cost a second all-gather in pre-backward), and no forward prefetch is
+//     issued from a recompute.
 void FsdpParamGroup::post_forward(at::Tensor& output) {
-  if (reshard_after_forward_ && is_unsharded()) reshard(ShardedState::kShardedPostForward);
+  // See Note [Checkpointed units].
+  if (reshard_after_forward_ && is_unsharded() && !fsdp::in_activation_recompute()) {
+    reshard(ShardedState::kShardedPostForward);
+  }
   if (output.defined() && output.requires_grad() && at::GradMode::is_enabled()) {
     output.register_hook([this](const at::Tensor&) { pre_backward(); });
   }

@@ -1,5 +1,6 @@
 #include "fsdp/fsdp_strategy.h"
 
+#include "fsdp/activation_checkpointing.h"
 #include "fsdp/lightning.h"
 #include "fsdp/memory.h"
 #include "shard/collectives.h"
@@ -47,9 +48,6 @@ bool reshards_after_forward(ShardingStrategy s) {
 void check_not_supported_yet(const FSDPOptions& o) {
   TORCH_CHECK(o.mixed_precision.empty(), "[FSDPStrategy] mixed_precision='", o.mixed_precision,
               "' is not supported yet; leave it empty (fp32) for now");
-  TORCH_CHECK(o.activation_checkpointing_policy.empty(),
-              "[FSDPStrategy] activation_checkpointing_policy is not supported yet; leave it "
-              "empty for now");
   TORCH_CHECK(!o.cpu_offload, "[FSDPStrategy] cpu_offload=true is not supported yet");
   TORCH_CHECK(o.state_dict_type == "full", "[FSDPStrategy] state_dict_type='", o.state_dict_type,
               "' is not supported yet; only 'full' is accepted for now");
@@ -178,6 +176,29 @@ void FSDPStrategy::mark_unit(fsdp::nn::Module& module) {
   }
 }
 
+// Activation checkpointing is a module transform (fsdp/activation_checkpointing.h): the
+// policy's blocks get the checkpoint forward wrapper before the units are hooked. A model that
+// checkpointed some of its blocks itself in configure_model keeps its own choice (as Lightning
+// does): the policy is not applied on top. See Note [Checkpointed units] in fsdp_param_group.cpp.
+void FSDPStrategy::apply_checkpointing_policy(LightningModule& module) {
+  if (options_.activation_checkpointing_policy.empty()) return;
+  const int already = count_activation_checkpointed(module);
+  if (already > 0) {
+    if (!world_ || world_->rank() == 0) {
+      TORCH_WARN("[FSDPStrategy] activation_checkpointing_policy is set, but the model already "
+                 "checkpointed ", already, " module(s) itself (apply_activation_checkpointing in "
+                 "configure_model); the policy is not applied on top.");
+    }
+    return;
+  }
+  const int wrapped =
+      apply_activation_checkpointing(module, options_.activation_checkpointing_policy);
+  TORCH_CHECK(wrapped > 0, "[FSDPStrategy] activation_checkpointing_policy matched no module of "
+              "the model: its types must be fsdp::nn::Module subclasses the model contains. "
+              "HINT: use fsdp::nn::module_types<YourBlock>() (or fsdp::demos::layer_types(name) "
+              "for the demo models).");
+}
+
 detail::FsdpState& FSDPStrategy::state() {
   TORCH_CHECK(state_, "[FSDPStrategy] no model is set up yet: call setup_module first");
   return *state_;
@@ -186,6 +207,7 @@ detail::FsdpState& FSDPStrategy::state() {
 void FSDPStrategy::setup_module(LightningModule& module) {
   TORCH_CHECK(!state_, "[FSDPStrategy] setup_module called twice; one strategy shards one model");
   check_not_supported_yet(options_);
+  apply_checkpointing_policy(module);
   const ShardingStrategy ss = options_.sharding_strategy;
   const int world_rank = world_ ? world_->rank() : 0;
   const int world_size = world_ ? world_->size() : 1;
