@@ -353,7 +353,10 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"pre", "post", "none"}));
   app.add_flag("--forward-prefetch", a.forward_prefetch, "fsdp: all-gather the next unit during forward");
   app.add_option("--hybrid-shard-size", a.hybrid_shard_size, "fsdp hybrid: ranks per shard group (0: one node)");
-  app.add_option("--precision", a.precision, "only 32-true is supported now")
+  app.add_option("--precision", a.precision,
+                 "32-true (fp32); bf16-mixed (FSDP: fp32 master shards, bf16 all-gather/compute/"
+                 "reduce-scatter; other strategies: CPU autocast); bf16-true (bf16 everything); "
+                 "64-true; 16-mixed/16-true fail on CPU (no fp16 matmul)")
       ->check(CLI::IsMember(fsdp::Trainer::precision_names()));
   app.add_option("--max-steps", a.max_steps, "optimizer steps to take (-1: until --max-epochs)")
       ->check(at_least_minus_one);

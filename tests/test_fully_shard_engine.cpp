@@ -214,13 +214,14 @@ TEST(FullyShardEngine, NamesAndOptionsParseInOnePlace) {
   EXPECT_EQ(fsdp::parse_backward_prefetch("post"), fsdp::BackwardPrefetch::kPost);
   EXPECT_THROW(fsdp::parse_backward_prefetch("later"), c10::Error);
 
-  fsdp::FSDPOptions mp;
-  mp.mixed_precision = "bf16-mixed";
+  fsdp::FSDPOptions mp;  // a MixedPrecisionPolicy dtype must be floating
+  mp.mixed_precision = fsdp::MixedPrecisionPolicy{};
+  mp.mixed_precision->param_dtype = at::kInt;
   try {
     fsdp::FSDPStrategy s(mp);
     FAIL();
   } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("not supported yet"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("param_dtype must be a floating dtype"), std::string::npos);
   }
   fsdp::FSDPOptions off;
   off.cpu_offload = true;

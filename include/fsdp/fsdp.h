@@ -15,5 +15,6 @@
 #include "fsdp/memory.h"
 #include "fsdp/models.h"
 #include "fsdp/nn.h"
+#include "fsdp/precision.h"
 #include "fsdp/strategy.h"
 #include "fsdp/trainer.h"

@@ -19,6 +19,7 @@
 #pragma once
 
 #include "fsdp/nn.h"
+#include "fsdp/precision.h"
 #include "fsdp/strategy.h"
 
 #include <cstdint>
@@ -99,9 +100,13 @@ struct FSDPOptions {
   // called apply_activation_checkpointing itself in configure_model. Empty: off.
   fsdp::nn::ModuleTypes activation_checkpointing_policy;
 
+  // Mixed precision (fsdp/precision.h): fp32 sharded master parameters and optimizer state;
+  // all-gather, compute and reduce-scatter in the policy's dtypes. Unset = fp32 throughout.
+  // The Trainer's precision "bf16-mixed" sets {bf16, bf16, bf16} unless this is already set.
+  std::optional<MixedPrecisionPolicy> mixed_precision;
+
   // --- owned by later issues: present so configurations can name them, but any non-default
   // value is refused with "not supported yet" until the feature works.
-  std::string mixed_precision;                           // e.g. "bf16-mixed"
   bool cpu_offload = false;
   std::string state_dict_type = "full";                  // "full" | "sharded"
 };
@@ -131,6 +136,9 @@ class FSDPStrategy : public Strategy {
   std::string name() const override { return name_; }
   void set_name(std::string name) { name_ = std::move(name); }
   const FSDPOptions& options() const { return options_; }
+  // Used by the Trainer for precision "bf16-mixed" (before setup_module); an explicit
+  // options.mixed_precision is kept (explicit wins). Returns the policy in effect.
+  MixedPrecisionPolicy apply_default_mixed_precision(const MixedPrecisionPolicy& policy);
 
   void connect(ProcessGroupPtr world, const LaunchInfo& launch) override;
   void enter_configure_model() override;

@@ -77,8 +77,11 @@ struct TrainerOptions {
   int devices = 1;    // ranks per node (processes on CPU)
   int num_nodes = 1;
   StrategySpec strategy = "auto";
-  // "32-true" (alias "32"). The mixed/low precisions ("bf16-mixed", "bf16-true", "16-mixed",
-  // "16-true", "64-true") are recognized and fail with "not supported yet".
+  // fsdp/precision.h: "32-true" (alias "32"); "bf16-mixed" (FSDP: MixedPrecisionPolicy
+  // {bf16, bf16, bf16} unless the FSDPStrategy has its own; other strategies: CPU autocast to
+  // bf16 with fp32 parameters); "bf16-true" (model built in bf16: parameters, compute and
+  // optimizer state); "64-true" (alias "64", fp64). "16-mixed"/"16-true" fail: CPU libtorch
+  // has no fp16 matmul.
   std::string precision = "32-true";
   // Stop after this many epochs / optimizer steps, whichever comes first. Both unset
   // (-1): max_epochs = 1000, as Lightning.

@@ -91,6 +91,7 @@ at::Tensor GPT::forward(const fsdp::nn::Inputs& inputs) {
   x = ln_f(x);
   // Tied head: logits = x wte^T, reading the one registered tensor wte.weight.
   at::Tensor logits = options_.tie_embeddings ? at::linear(x, wte->weight) : lm_head(x);  // (B, T, V)
+  if (logits.element_size() < 4) logits = logits.to(at::kFloat);  // bf16: log-softmax in fp32
   return at::log_softmax(logits, -1).reshape({-1, options_.vocab_size});  // (B*T, V)
 }
 

@@ -160,6 +160,7 @@ at::Tensor Transformer::forward(const fsdp::nn::Inputs& inputs) {
   out = decoder_norm(out);
 
   out = decoder(out);                                           // (B, T, V)
+  if (out.element_size() < 4) out = out.to(at::kFloat);  // bf16 logits: log-softmax in fp32
   return at::log_softmax(out, -1).reshape({-1, options_.vocab_size});  // (B*T, V)
 }
 

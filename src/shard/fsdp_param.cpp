@@ -22,14 +22,41 @@ torch::OrderedDict<std::string, at::Tensor>& registered_parameters(torch::nn::Mo
   return ModuleAccess::params(module);
 }
 
-FsdpParam::FsdpParam(at::Tensor unsharded, Registration first, int shard_rank, int shard_world)
+void check_mixed_precision_policy(const MixedPrecisionPolicy& policy) {
+  auto check = [](const char* field, const std::optional<at::ScalarType>& t) {
+    TORCH_CHECK(!t || at::isFloatingType(*t), "[FSDPStrategy] MixedPrecisionPolicy.", field,
+                " must be a floating dtype (e.g. at::kBFloat16, at::kFloat), got ", *t);
+  };
+  check("param_dtype", policy.param_dtype);
+  check("reduce_dtype", policy.reduce_dtype);
+  check("buffer_dtype", policy.buffer_dtype);
+}
+
+void cast_buffers(torch::nn::Module& module, at::ScalarType dtype) {
+  at::NoGradGuard no_grad;
+  for (auto& b : module.buffers(/*recurse=*/true)) {
+    if (b.defined() && b.is_floating_point() && b.scalar_type() != dtype) {
+      b.set_data(b.to(dtype));
+    }
+  }
+}
+
+FsdpParam::FsdpParam(at::Tensor unsharded, Registration first, int shard_rank, int shard_world,
+                     std::optional<at::ScalarType> compute_dtype)
     : unsharded_(std::move(unsharded)),
       requires_grad_(unsharded_.requires_grad()),
       shard_rank_(shard_rank),
-      shard_world_(shard_world) {
+      shard_world_(shard_world),
+      sharded_dtype_(unsharded_.scalar_type()),
+      compute_dtype_(unsharded_.scalar_type()) {
+  if (compute_dtype && unsharded_.is_floating_point()) compute_dtype_ = *compute_dtype;
   registrations_.push_back(std::move(first));
+  TORCH_CHECK(!(compute_dtype_ == at::kHalf && unsharded_.device().is_cpu()),
+              "[fully_shard] MixedPrecisionPolicy.param_dtype=Half for CPU parameter '", fqn(),
+              "': CPU libtorch 1.13 has no fp16 matmul; use at::kBFloat16 (precision "
+              "'bf16-mixed') instead.");
   TORCH_CHECK(unsharded_.is_contiguous() && unsharded_.storage_offset() == 0 &&
-                  static_cast<int64_t>(unsharded_.storage().nbytes()) == full_nbytes(),
+                  static_cast<int64_t>(unsharded_.storage().nbytes()) == unsharded_.nbytes(),
               "[fully_shard] parameter '", fqn(), "' (shape ", unsharded_.sizes(),
               ") is a view into a larger storage or not contiguous; FSDP shards parameters that "
               "own their storage. HINT: register a contiguous tensor (e.g. .clone()).");
@@ -66,6 +93,10 @@ void FsdpParam::shard() {
   if (count > 0) s.view({shard_rows_, row_numel_}).narrow(0, 0, count).copy_(rows.narrow(0, begin, count));
   s.set_requires_grad(requires_grad_);
   sharded_ = s;
+  if (casts()) {
+    // See Note [Mixed-precision parameters]: same TensorImpl, compute dtype, storage freed below.
+    unsharded_.set_data(at::empty(unsharded_.sizes(), unsharded_.options().dtype(compute_dtype_)));
+  }
   free_unsharded();
   for (auto& reg : registrations_) {
     auto& dict = registered_parameters(*reg.module);
@@ -89,7 +120,7 @@ bool FsdpParam::unsharded_allocated() const {
 }
 
 void FsdpParam::copy_in(const at::Tensor& dst) const {
-  dst.copy_(sharded_.detach().reshape({-1}));
+  dst.copy_(sharded_.detach().reshape({-1}));  // casts to the all-gather dtype
 }
 
 void FsdpParam::copy_out(const at::Tensor& rank_major) const {

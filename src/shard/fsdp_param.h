@@ -1,10 +1,13 @@
 // FsdpParam: one parameter's sharded and unsharded representation.
 #pragma once
 
+#include "fsdp/precision.h"
+
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -43,7 +46,23 @@ namespace fsdp::detail {
 // semantics), while the layer's member still refers to P. FsdpParam holds both.
 //
 // With a shard group of one rank (world 1, NO_SHARD) the shard is the whole parameter: S and P
-// are the same tensor, nothing is swapped and unshard/reshard move no memory.
+// are the same tensor, nothing is swapped and unshard/reshard move no memory -- unless a
+// param_dtype asks P to compute in another dtype (see Note [Mixed-precision parameters]).
+//
+// Note [Mixed-precision parameters]
+// ---------------------------------
+// With MixedPrecisionPolicy::param_dtype (say bf16) on an fp32 floating parameter:
+//   S stays fp32: it is the master copy the optimizer steps (optimizer state stays fp32) and
+//     S.grad is fp32.
+//   P becomes bf16 at shard(): P.set_data(bf16 tensor of the full shape) keeps P's TensorImpl
+//     (the layer's member) but changes its dtype (set_data also drops a stale AccumulateGrad
+//     node). Its storage is freed and refilled as above, with full_nbytes() = bf16 bytes.
+//   Copy-in casts S to bf16 into the all-gather input, so the all-gather moves half the bytes;
+//     copy-out writes bf16 into P. Backward accumulates a bf16 P.grad; the unit casts it to
+//     reduce_dtype in the reduce-scatter input, and the reduced slice is cast back to S's
+//     dtype and accumulated into S.grad.
+//   Such a parameter is never aliased, even with a shard group of one rank: S (fp32, the whole
+//     parameter) and P (bf16) are separate tensors and "all-gather" is a local cast copy.
 class FsdpParam {
  public:
   // One place where the parameter is registered: module->parameters_[name]. A tensor may be
@@ -54,11 +73,18 @@ class FsdpParam {
     std::string fqn;
   };
 
-  FsdpParam(at::Tensor unsharded, Registration first, int shard_rank, int shard_world);
+  // compute_dtype: P's dtype after shard() (see Note [Mixed-precision parameters]); nullopt or
+  // P's own dtype = no cast. Only floating parameters are cast.
+  FsdpParam(at::Tensor unsharded, Registration first, int shard_rank, int shard_world,
+            std::optional<at::ScalarType> compute_dtype = std::nullopt);
 
   void add_registration(Registration reg) { registrations_.push_back(std::move(reg)); }
   const std::vector<Registration>& registrations() const { return registrations_; }
   const std::string& fqn() const { return registrations_.front().fqn; }
+  // Deferred init: registrations made relative to their unit get the unit's FQN in front.
+  void prefix_fqns(const std::string& prefix) {
+    for (auto& reg : registrations_) reg.fqn = prefix + reg.fqn;
+  }
 
   // Creates S from P's current values, frees P's storage and swaps S into every registration.
   void shard();
@@ -66,7 +92,11 @@ class FsdpParam {
   const at::Tensor& unsharded() const { return unsharded_; }  // P
   const at::Tensor& sharded() const { return sharded_; }      // S
   bool requires_grad() const { return requires_grad_; }
-  bool aliased() const { return shard_world_ == 1; }
+  bool aliased() const { return shard_world_ == 1 && !casts(); }
+  // P computes in another dtype than S. See Note [Mixed-precision parameters].
+  bool casts() const { return compute_dtype_ != sharded_dtype_; }
+  at::ScalarType compute_dtype() const { return compute_dtype_; }  // P's dtype (after shard)
+  at::ScalarType sharded_dtype() const { return sharded_dtype_; }  // S's dtype
 
   at::IntArrayRef full_shape() const { return unsharded_.sizes(); }
   int64_t dim0() const { return dim0_; }                // rows of P viewed as (dim0, row)
@@ -74,15 +104,19 @@ class FsdpParam {
   int64_t shard_rows() const { return shard_rows_; }    // R = ceil(dim0 / W)
   int64_t shard_numel() const { return shard_rows_ * row_numel_; }
   int64_t padded_numel() const { return shard_numel() * shard_world_; }
-  int64_t full_nbytes() const { return unsharded_.numel() * unsharded_.element_size(); }
-  int64_t shard_nbytes() const { return shard_numel() * unsharded_.element_size(); }
+  int64_t full_nbytes() const {  // P's bytes when allocated (compute dtype)
+    return unsharded_.numel() * static_cast<int64_t>(c10::elementSize(compute_dtype_));
+  }
+  int64_t shard_nbytes() const {  // S's bytes (master dtype)
+    return shard_numel() * static_cast<int64_t>(c10::elementSize(sharded_dtype_));
+  }
 
   // --- P's storage. See Note [Sharded and unsharded parameters].
   void free_unsharded();    // storage -> 0 bytes
   void alloc_unsharded();   // storage -> full bytes (values undefined until copy-out)
   bool unsharded_allocated() const;
 
-  // Copy-in: S (flattened) into `dst` (shard_numel() elements).
+  // Copy-in: S (flattened, cast to dst's dtype) into `dst` (shard_numel() elements).
   void copy_in(const at::Tensor& dst) const;
   // Copy-out: `all_gather_output.view({W, total}).narrow(1, offset, shard_numel())` -> P.
   void copy_out(const at::Tensor& rank_major) const;
@@ -100,7 +134,14 @@ class FsdpParam {
   int64_t dim0_;
   int64_t row_numel_;
   int64_t shard_rows_;
+  at::ScalarType sharded_dtype_;  // S (and P before shard())
+  at::ScalarType compute_dtype_;  // P after shard()
 };
+
+// A policy's dtypes must be floating types; user errors name the field.
+void check_mixed_precision_policy(const MixedPrecisionPolicy& policy);
+// Casts the floating buffers of `module` (recursively) to `dtype` in place (set_data).
+void cast_buffers(torch::nn::Module& module, at::ScalarType dtype);
 
 // Reaches the protected parameters_ dict of any torch::nn::Module.
 torch::OrderedDict<std::string, at::Tensor>& registered_parameters(torch::nn::Module& module);

@@ -76,8 +76,10 @@ FsdpParamGroup::FsdpParamGroup(std::string name, fsdp::nn::Module* module, FsdpS
 }
 
 FsdpParam& FsdpParamGroup::add_param(at::Tensor unsharded, FsdpParam::Registration reg) {
+  const auto& mp = state_->config().mixed_precision;
   params_.push_back(std::make_unique<FsdpParam>(std::move(unsharded), std::move(reg),
-                                                shard_group_->rank(), shard_group_->size()));
+                                                shard_group_->rank(), shard_group_->size(),
+                                                mp ? mp->param_dtype : std::nullopt));
   return *params_.back();
 }
 
@@ -86,10 +88,10 @@ void FsdpParamGroup::init() {
   rs_offsets_.clear();
   ag_total_ = rs_total_ = 0;
   for (auto& p : params_) {
-    TORCH_CHECK(p->unsharded().scalar_type() == params_.front()->unsharded().scalar_type(),
+    TORCH_CHECK(p->sharded_dtype() == params_.front()->sharded_dtype(),
                 "[fully_shard] unit '", name_, "' mixes dtypes: '", p->fqn(), "' is ",
-                p->unsharded().scalar_type(), " but '", params_.front()->fqn(), "' is ",
-                params_.front()->unsharded().scalar_type(),
+                p->sharded_dtype(), " but '", params_.front()->fqn(), "' is ",
+                params_.front()->sharded_dtype(),
                 ". HINT: wrap parameters of different dtypes in separate units.");
     ag_offsets_.push_back(ag_total_);
     ag_total_ += p->shard_numel();
@@ -100,6 +102,14 @@ void FsdpParamGroup::init() {
       rs_offsets_.push_back(-1);
     }
     p->shard();
+  }
+  // See Note [Mixed-precision parameters] in fsdp_param.h.
+  aliased_ = !params_.empty() && params_.front()->aliased();
+  const auto& mp = state_->config().mixed_precision;
+  if (!params_.empty()) {
+    compute_dtype_ = params_.front()->compute_dtype();
+    reduce_dtype_ = mp ? mp->reduce_dtype_or(compute_dtype_) : compute_dtype_;
+    if (!at::isFloatingType(compute_dtype_)) reduce_dtype_ = compute_dtype_;
   }
   sharded_state_ = ShardedState::kSharded;
   training_state_ = TrainingState::kIdle;
@@ -141,8 +151,11 @@ void FsdpParamGroup::issue_all_gather() {
   TORCH_INTERNAL_ASSERT(!is_unsharded() && !has_pending_all_gather(),
                         "all-gather issued for unit '", name_, "' in state ",
                         to_string(sharded_state_));
-  if (shard_world() == 1 || params_.empty()) return;  // nothing to gather
-  const auto options = params_.front()->sharded().options().requires_grad(false);
+  if (aliased_ || params_.empty()) return;  // nothing to gather
+  // In the compute dtype: bf16 all-gathers move half the bytes. See Note [Mixed-precision
+  // parameters] in fsdp_param.h.
+  const auto options =
+      params_.front()->sharded().options().dtype(compute_dtype_).requires_grad(false);
   at::NoGradGuard no_grad;
   pending_ag_.input = at::empty({ag_total_}, options);
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -208,10 +221,11 @@ void FsdpParamGroup::issue_reduce_scatter() {
   for (auto& p : params_) any_grad |= p->requires_grad() && p->unsharded().grad().defined();
   if (!any_grad) return;
   at::NoGradGuard no_grad;
-  const auto options = params_.front()->sharded().options().requires_grad(false);
+  const auto options =
+      params_.front()->sharded().options().dtype(reduce_dtype_).requires_grad(false);
   PendingReduceScatter rs;
   const int w = shard_world();
-  if (w == 1) {
+  if (aliased_) {
     // P.grad is S.grad: nothing to scatter; average over the replicate group if there is one.
     if (!replicate_group_ || replicate_group_->size() == 1) return;
     rs.output = at::zeros({rs_total_}, options);
@@ -247,7 +261,9 @@ void FsdpParamGroup::finish_reduce_scatter() {
     for (size_t i = 0; i < params_.size(); ++i) {
       if (rs_offsets_[i] < 0) continue;
       FsdpParam& p = *params_[i];
-      at::Tensor reduced = rs.output.narrow(0, rs_offsets_[i], p.shard_numel());
+      // Back to S's dtype (fp32 master gradient); a no-op view without mixed precision.
+      at::Tensor reduced =
+          rs.output.narrow(0, rs_offsets_[i], p.shard_numel()).to(p.sharded_dtype());
       if (p.aliased()) {
         // S.grad is P.grad: write the averaged values back (only those that had a gradient).
         if (p.sharded().grad().defined()) {
@@ -274,6 +290,17 @@ void FsdpParamGroup::pre_forward(std::vector<at::Tensor>& inputs) {
   // [Checkpointed units].
   if (state_->config().forward_prefetch && !fsdp::in_activation_recompute()) {
     state_->prefetch_after_forward_of(*this);
+  }
+  // Mixed precision: floating inputs compute in the parameters' dtype. FSDP2 casts at the root
+  // only; a unit may also receive fp32 from un-cast code (e.g. an fp32 buffer added to bf16
+  // activations), so every unit casts its own inputs (a no-op when they already match).
+  const auto& mp = state_->config().mixed_precision;
+  if (mp && mp->param_dtype) {
+    for (auto& x : inputs) {
+      if (x.defined() && x.is_floating_point() && x.scalar_type() != *mp->param_dtype) {
+        x = x.to(*mp->param_dtype);
+      }
+    }
   }
   if (!at::GradMode::is_enabled()) return;
   // See Note [Post-backward function].

@@ -49,6 +49,7 @@ class FsdpParamGroup {
                  bool reshard_after_forward);
 
   const std::string& name() const { return name_; }          // FQN of the unit, "<root>"
+  void set_name(std::string name) { name_ = std::move(name); }  // deferred init: FQN known late
   fsdp::nn::Module* module() const { return module_; }      // null for the root unit
   bool is_root() const { return module_ == nullptr; }
   std::vector<std::unique_ptr<FsdpParam>>& params() { return params_; }
@@ -98,6 +99,8 @@ class FsdpParamGroup {
   int64_t all_gather_numel() const { return ag_total_; }
   int64_t reduce_scatter_numel() const { return rs_total_; }
   int64_t unsharded_bytes() const;
+  at::ScalarType compute_dtype() const { return compute_dtype_; }
+  at::ScalarType reduce_dtype() const { return reduce_dtype_; }
 
   const ProcessGroupPtr& shard_group() const { return shard_group_; }
   const ProcessGroupPtr& replicate_group() const { return replicate_group_; }
@@ -131,6 +134,11 @@ class FsdpParamGroup {
   std::vector<int64_t> rs_offsets_;  // per param, into the reduce-scatter output (-1: frozen)
   int64_t ag_total_ = 0;
   int64_t rs_total_ = 0;
+  // See Note [Mixed-precision parameters] in fsdp_param.h. aliased_: S is P for every
+  // parameter (shard group of one rank, no cast): nothing is gathered or scattered.
+  bool aliased_ = false;
+  at::ScalarType compute_dtype_ = at::kFloat;  // all-gather dtype = P's dtype
+  at::ScalarType reduce_dtype_ = at::kFloat;   // reduce-scatter dtype
 
   ShardedState sharded_state_ = ShardedState::kSharded;
   TrainingState training_state_ = TrainingState::kIdle;

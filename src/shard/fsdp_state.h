@@ -6,6 +6,7 @@
 #include "shard/fsdp_param_group.h"
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -16,6 +17,8 @@ struct FsdpConfig {
   bool forward_prefetch = false;
   BackwardPrefetch backward_prefetch = BackwardPrefetch::kPre;
   bool limit_all_gathers = false;
+  // See Note [Mixed-precision parameters] in fsdp_param.h.
+  std::optional<MixedPrecisionPolicy> mixed_precision;
 };
 
 // A unit to build: the module (null for the root) and its FQN.

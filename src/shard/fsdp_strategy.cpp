@@ -46,8 +46,7 @@ bool reshards_after_forward(ShardingStrategy s) {
 }
 
 void check_not_supported_yet(const FSDPOptions& o) {
-  TORCH_CHECK(o.mixed_precision.empty(), "[FSDPStrategy] mixed_precision='", o.mixed_precision,
-              "' is not supported yet; leave it empty (fp32) for now");
+  if (o.mixed_precision) detail::check_mixed_precision_policy(*o.mixed_precision);
   TORCH_CHECK(!o.cpu_offload, "[FSDPStrategy] cpu_offload=true is not supported yet");
   TORCH_CHECK(o.state_dict_type == "full", "[FSDPStrategy] state_dict_type='", o.state_dict_type,
               "' is not supported yet; only 'full' is accepted for now");
@@ -238,6 +237,7 @@ void FSDPStrategy::setup_module(LightningModule& module) {
   config.forward_prefetch = options_.forward_prefetch;
   config.backward_prefetch = options_.backward_prefetch;
   config.limit_all_gathers = options_.limit_all_gathers;
+  config.mixed_precision = options_.mixed_precision;
 
   auto units = detail::select_units(module, options_.auto_wrap_policy, manual_units_);
   auto state = std::make_unique<detail::FsdpState>(config, shard_group, replicate_group);
@@ -271,6 +271,19 @@ void FSDPStrategy::setup_module(LightningModule& module) {
     }
   }
   state_->materialize();
+  if (options_.mixed_precision && options_.mixed_precision->buffer_dtype) {
+    detail::cast_buffers(module, *options_.mixed_precision->buffer_dtype);
+  }
+}
+
+MixedPrecisionPolicy FSDPStrategy::apply_default_mixed_precision(
+    const MixedPrecisionPolicy& policy) {
+  TORCH_CHECK(!state_, "[FSDPStrategy] mixed precision must be chosen before setup_module");
+  if (!options_.mixed_precision) {
+    detail::check_mixed_precision_policy(policy);
+    options_.mixed_precision = policy;
+  }
+  return *options_.mixed_precision;
 }
 
 FSDPMemoryEstimate FSDPStrategy::memory_estimate() const {

@@ -3,6 +3,8 @@
 #include "fsdp/trainer.h"
 
 #include "fsdp/comm.h"
+#include "fsdp/fsdp_strategy.h"
+#include "fsdp/precision.h"
 #include "fsdp/memory.h"
 #include "train/csv_logger.h"
 #include "train/metrics.h"
@@ -25,9 +27,6 @@ namespace {
 
 uint64_t g_last_seed = 0;
 
-const std::vector<std::string> kSupportedPrecisions = {"32-true", "32"};
-const std::vector<std::string> kLaterPrecisions = {"bf16-mixed", "bf16-true", "16-mixed",
-                                                   "16-true", "64-true", "64"};
 const std::vector<std::string> kAccelerators = {"cpu", "auto", "cuda", "gpu"};
 
 std::string join(const std::vector<std::string>& names) {
@@ -40,22 +39,12 @@ bool contains(const std::vector<std::string>& v, const std::string& x) {
   return std::find(v.begin(), v.end(), x) != v.end();
 }
 
-void check_precision(const std::string& p) {
-  if (contains(kSupportedPrecisions, p)) return;
-  if (contains(kLaterPrecisions, p)) {
-    const bool fp16 = p.rfind("16-", 0) == 0;
-    TORCH_CHECK(false, "[Trainer] precision '", p,
-                "' is not supported yet: this version trains in '32-true' only (mixed and "
-                "low precision come in a later release). Use precision='32-true' "
-                "(--precision 32-true).",
-                fp16 ? " Note: fp16 matmul is not implemented on CPU in libtorch 1.13; "
-                       "on CPU use 'bf16-mixed' once it is available."
-                     : "");
-  }
-  std::vector<std::string> all = kSupportedPrecisions;
-  all.insert(all.end(), kLaterPrecisions.begin(), kLaterPrecisions.end());
-  TORCH_CHECK(false, "[Trainer] unknown precision '", p, "'; valid values: ", join(all),
-              " (supported now: '32-true')");
+void check_precision(const std::string& p) { check_precision_supported(parse_precision(p)); }
+
+// "bf16-mixed" outside FSDP: CPU autocast around the steps, fp32 parameters (fsdp/precision.h).
+bool uses_cpu_autocast(const std::string& precision, const Strategy* strategy) {
+  return parse_precision(precision) == Precision::kBf16Mixed &&
+         dynamic_cast<const FSDPStrategy*>(strategy) == nullptr;
 }
 
 void check_accelerator(const std::string& a) {
@@ -158,11 +147,7 @@ void seed_everything(uint64_t seed) {
 
 uint64_t last_seed() { return g_last_seed; }
 
-std::vector<std::string> Trainer::precision_names() {
-  std::vector<std::string> all = kSupportedPrecisions;
-  all.insert(all.end(), kLaterPrecisions.begin(), kLaterPrecisions.end());
-  return all;
-}
+std::vector<std::string> Trainer::precision_names() { return fsdp::precision_names(); }
 
 std::vector<std::string> Trainer::accelerator_names() { return kAccelerators; }
 
@@ -214,7 +199,26 @@ void Trainer::setup_model(LightningModule& module, bool for_training) {
   module.attach_trainer(this);
   if (configured_module_ == &module) return;
   if (options_.seed >= 0) seed_everything(static_cast<uint64_t>(options_.seed));
-  configure_model_with(*strategy_, module);
+  // Precision (fsdp/precision.h): bf16-mixed under FSDP is a MixedPrecisionPolicy (set before
+  // configure_model, which may already shard); bf16-true / 64-true build the model in that dtype.
+  const Precision precision = parse_precision(options_.precision);
+  if (auto* fsdp = dynamic_cast<FSDPStrategy*>(strategy_.get())) {
+    if (precision == Precision::kBf16Mixed) fsdp->apply_default_mixed_precision(bf16_mixed_policy());
+  }
+  const std::optional<at::ScalarType> true_dtype = true_precision_dtype(precision);
+  {
+    DefaultDtypeGuard default_dtype(true_dtype);
+    configure_model_with(*strategy_, module);
+  }
+  if (true_dtype) {  // parameters created with an explicit dtype: cast before sharding
+    at::NoGradGuard no_grad;
+    for (auto& t : module.parameters()) {
+      if (t.is_floating_point() && t.scalar_type() != *true_dtype) t.set_data(t.to(*true_dtype));
+    }
+    for (auto& t : module.buffers()) {
+      if (t.is_floating_point() && t.scalar_type() != *true_dtype) t.set_data(t.to(*true_dtype));
+    }
+  }
   int64_t params = 0, trainable = 0;
   for (const auto& p : module.parameters()) {
     params += p.numel();
@@ -337,7 +341,11 @@ void Trainer::fit_impl(LightningModule& module, DataLoader& train_loader,
       // --- one micro-batch (strategy.h call order).
       strategy_->pre_forward(module, /*sync=*/boundary);
       module.logged().clear();
-      at::Tensor loss = module.training_step(batch, batch_idx);
+      at::Tensor loss;
+      {
+        CpuAutocastGuard autocast(uses_cpu_autocast(o.precision, strategy_.get()));
+        loss = module.training_step(batch, batch_idx);
+      }
       TORCH_CHECK(loss.defined() && loss.numel() == 1,
                   "[Trainer.fit] training_step must return the scalar loss (got ",
                   loss.defined() ? "a tensor of shape " + c10::str(loss.sizes())
@@ -474,6 +482,7 @@ std::map<std::string, double> Trainer::evaluate(LightningModule& module, DataLoa
     const Batch batch = loader.batch(i);
     strategy_->pre_forward(module, /*sync=*/false);
     module.logged().clear();
+    CpuAutocastGuard autocast(uses_cpu_autocast(options_.precision, strategy_.get()));
     if (stage == "val") {
       module.validation_step(batch, i);
     } else {
@@ -497,7 +506,11 @@ std::vector<at::Tensor> Trainer::predict(LightningModule& module, DataLoader& lo
   for (int64_t i = 0; i < loader.num_batches(); ++i) {
     const Batch batch = loader.batch(i);
     strategy_->pre_forward(module, /*sync=*/false);
-    at::Tensor out = module.predict_step(batch, i);
+    at::Tensor out;
+    {
+      CpuAutocastGuard autocast(uses_cpu_autocast(options_.precision, strategy_.get()));
+      out = module.predict_step(batch, i);
+    }
     strategy_->post_eval_step(module);
     outputs.push_back(out.defined() ? out.detach() : out);
   }

@@ -1,0 +1,70 @@
+// ShardedGradScaler: dynamic loss scaling over sharded gradients. See fsdp/precision.h.
+#include "fsdp/precision.h"
+
+#include <c10/util/Exception.h>
+
+#include <cmath>
+
+namespace fsdp {
+
+ShardedGradScaler::ShardedGradScaler(ProcessGroupPtr group, GradScalerOptions options)
+    : group_(std::move(group)), options_(options), scale_(options.init_scale) {
+  TORCH_CHECK(options_.init_scale > 0 && std::isfinite(options_.init_scale),
+              "[ShardedGradScaler] init_scale must be a positive finite number, got ",
+              options_.init_scale);
+  TORCH_CHECK(options_.growth_factor > 1.0, "[ShardedGradScaler] growth_factor must be > 1, got ",
+              options_.growth_factor);
+  TORCH_CHECK(options_.backoff_factor > 0.0 && options_.backoff_factor < 1.0,
+              "[ShardedGradScaler] backoff_factor must be in (0, 1), got ",
+              options_.backoff_factor);
+  TORCH_CHECK(options_.growth_interval >= 1,
+              "[ShardedGradScaler] growth_interval must be >= 1, got ", options_.growth_interval);
+}
+
+void ShardedGradScaler::unscale(torch::optim::Optimizer& optimizer) {
+  TORCH_CHECK(!unscaled_, "[ShardedGradScaler] unscale called twice in one step; call update() "
+              "after every step");
+  at::NoGradGuard no_grad;
+  const double inv = 1.0 / scale_;
+  // 1.0 when any local gradient element is inf or nan. Computed in fp32 whatever the grads'
+  // dtype, so a bf16/fp16 overflow is seen.
+  at::Tensor found = at::zeros({1}, at::kFloat);
+  for (auto& group : optimizer.param_groups()) {
+    for (auto& p : group.params()) {
+      if (!p.grad().defined()) continue;
+      at::Tensor g = p.mutable_grad();
+      if (!at::isfinite(g).all().item<bool>()) found.fill_(1.0);
+      g.mul_(inv);
+    }
+  }
+  // Every rank holds different shards: agree on one answer, so all skip (or step) together.
+  if (group_ && group_->size() > 1) group_->all_reduce(found, ReduceOp::kMax);
+  found_inf_ = found.item<float>() > 0;
+  unscaled_ = true;
+}
+
+bool ShardedGradScaler::step(torch::optim::Optimizer& optimizer) {
+  if (!unscaled_) unscale(optimizer);
+  if (found_inf_) {
+    ++skipped_steps_;
+    return false;
+  }
+  optimizer.step();
+  return true;
+}
+
+void ShardedGradScaler::update() {
+  TORCH_CHECK(unscaled_, "[ShardedGradScaler] update() without unscale()/step() in this step");
+  if (found_inf_) {
+    scale_ *= options_.backoff_factor;
+    growth_tracker_ = 0;
+  } else if (++growth_tracker_ >= options_.growth_interval) {
+    const double grown = scale_ * options_.growth_factor;
+    if (std::isfinite(grown)) scale_ = grown;
+    growth_tracker_ = 0;
+  }
+  unscaled_ = false;
+  found_inf_ = false;
+}
+
+}  // namespace fsdp
