@@ -7,6 +7,7 @@
 // Every flag mirrors a TrainerOptions field or a model/data choice (`--help` lists them with
 // their defaults). An unknown flag or a bad value prints one line and exits 2; an error during
 // the run prints "[rank R] error: ..." once and exits 1 (all ranks stop).
+#include <fsdp/checkpoint.h>
 #include <fsdp/fsdp.h>
 
 #include <CLI/CLI.hpp>
@@ -71,6 +72,10 @@ struct Args {
   int64_t save_every_n_steps = 0;
   std::string state_dict_type = "full";
   std::string ckpt_path;
+  int64_t save_top_k = -1;
+  std::string monitor;
+  std::string mode = "min";
+  int64_t every_n_epochs = 0;
 };
 
 // What the model is made of; built on every rank from the same flags and seed.
@@ -243,9 +248,25 @@ int run(const Args& a, const ModelSpec& spec_in) {
   t.default_root_dir = a.default_root_dir;
   t.seed = static_cast<int64_t>(a.seed);
   t.process_group_backend = a.backend;
-  t.checkpoint_dir = a.checkpoint_dir;
-  t.save_every_n_steps = a.save_every_n_steps;
   t.state_dict_type = a.state_dict_type;
+  if (!a.checkpoint_dir.empty() &&
+      (a.save_every_n_steps > 0 || a.every_n_epochs > 0 || !a.monitor.empty())) {
+    // A ModelCheckpoint: DIR/step-<k>[-<monitor>=<value>] entries, DIR/last -> the newest.
+    fsdp::ModelCheckpointOptions mc;
+    mc.dirpath = a.checkpoint_dir;
+    mc.filename = "step-{step}";
+    if (!a.monitor.empty()) mc.filename += "-" + a.monitor + "={" + a.monitor + "}";
+    mc.auto_insert_metric_name = false;
+    mc.monitor = a.monitor;
+    mc.mode = a.mode;
+    mc.save_top_k = a.save_top_k;
+    mc.save_last = true;
+    mc.every_n_train_steps = a.save_every_n_steps;
+    // Lightning's default: every epoch when no step period is given.
+    mc.every_n_epochs = a.every_n_epochs > 0 ? a.every_n_epochs
+                                             : (a.save_every_n_steps > 0 ? 0 : 1);
+    t.callbacks.push_back(std::make_shared<fsdp::ModelCheckpoint>(mc));
+  }
   fsdp::Trainer trainer(t);  // devices > 1: the other ranks start here and run main() again
 
   ModelSpec spec = spec_in;
@@ -410,11 +431,24 @@ int main(int argc, char** argv) {
   app.add_option("--summary-json", a.summary_json, "write the run summary (losses, it/s, memory) as JSON here");
   // Checkpoints
   app.add_option("--checkpoint-dir", a.checkpoint_dir,
-                 "save DIR/step-<k> every --save-every-n-steps steps, and DIR/last");
+                 "save DIR/step-<k> every --save-every-n-steps steps (or --every-n-epochs "
+                 "epochs), and DIR/last -> the newest");
   app.add_option("--save-every-n-steps", a.save_every_n_steps, "checkpoint period in optimizer steps (0: off)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--state-dict-type", a.state_dict_type, "checkpoint format: full | sharded")
       ->check(CLI::IsMember({"full", "sharded"}));
+  app.add_option("--every-n-epochs", a.every_n_epochs,
+                 "also save at the end of every N epochs (default with --monitor and no "
+                 "--save-every-n-steps: 1)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--monitor", a.monitor,
+                 "rank checkpoints by this logged metric (train_loss, val_loss) for --save-top-k");
+  app.add_option("--mode", a.mode, "min | max: which --monitor values are better")
+      ->check(CLI::IsMember({"min", "max"}));
+  app.add_option("--save-top-k", a.save_top_k,
+                 "keep the K best checkpoints by --monitor (-1: all; 1 without --monitor: the "
+                 "newest); others are deleted once a better one is saved")
+      ->check(CLI::Range(int64_t{-1}, std::numeric_limits<int64_t>::max()));
   app.add_option("--ckpt-path", a.ckpt_path,
                  "resume from this checkpoint (e.g. DIR/last); --max-steps counts from the start");
 

@@ -7,8 +7,10 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <set>
 
 namespace fs = std::filesystem;
 using fsdp::testing::run_process;
@@ -102,6 +104,43 @@ TEST(CheckpointCli, ExactResumeFsdpBitwiseAndAcrossWorlds) {
       EXPECT_NEAR(single[i], straight[3 + i], 1e-6 * std::abs(straight[3 + i])) << i;
     }
   }
+}
+
+// --save-top-k 2 --monitor train_loss keeps exactly the two steps with the lowest loss (the
+// summary's losses say which); --every-n-epochs saves at epoch ends.
+TEST(CheckpointCli, SaveTopKByMonitorAndEveryNEpochs) {
+  std::string dir = scratch("topk");
+  auto losses = run_losses(plus(train_argv(dir, 2, 2, 6, "fsdp"),
+                                {"--checkpoint-dir", dir + "/ckpt", "--save-every-n-steps", "1",
+                                 "--monitor", "train_loss", "--mode", "min", "--save-top-k", "2",
+                                 "--state-dict-type", "sharded"}),
+                           dir + "/topk.json");
+  ASSERT_EQ(losses.size(), 6u);
+  std::vector<int> order = {0, 1, 2, 3, 4, 5};
+  std::sort(order.begin(), order.end(), [&](int a, int b) { return losses[a] < losses[b]; });
+  std::set<int64_t> want = {order[0] + 1, order[1] + 1};  // steps are 1-based
+  std::set<int64_t> kept;
+  for (const auto& e : fs::directory_iterator(dir + "/ckpt")) {
+    const std::string name = e.path().filename().string();
+    if (name == "last") continue;
+    ASSERT_TRUE(name.rfind("step-", 0) == 0 || name.rfind("last-step-6-", 0) == 0) << name;
+    EXPECT_NE(name.find("-train_loss="), std::string::npos) << name;
+    kept.insert(fsdp::inspect_checkpoint(e.path().string()).progress.global_step);
+  }
+  if (want.count(6) == 0) want.insert(6);  // the separate `last` entry of step 6
+  EXPECT_EQ(kept, want);
+  EXPECT_EQ(fsdp::inspect_checkpoint(dir + "/ckpt/last").progress.global_step, 6);
+
+  // 4 batches per epoch, 8 steps: epoch ends at steps 4 and 8, every one kept.
+  std::string dir2 = scratch("epochs");
+  run_losses(plus(train_argv(dir2, 2, 2, 8, "fsdp"),
+                  {"--checkpoint-dir", dir2 + "/ckpt", "--every-n-epochs", "1"}),
+             dir2 + "/epochs.json");
+  std::set<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir2 + "/ckpt")) {
+    names.insert(e.path().filename().string());
+  }
+  EXPECT_EQ(names, (std::set<std::string>{"step-4", "step-8", "last"}));
 }
 
 // A rank that dies in the middle of writing step 4 leaves step-2 and `last` loadable.

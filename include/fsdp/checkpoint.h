@@ -26,6 +26,7 @@
 // mid-save leaves DIR (and any earlier checkpoint) as it was.
 #pragma once
 
+#include "fsdp/callback.h"
 #include "fsdp/strategy.h"
 
 #include <torch/nn/module.h>
@@ -33,6 +34,7 @@
 #include <torch/optim/schedulers/lr_scheduler.h>
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -93,5 +95,98 @@ void convert_to_safetensors(const std::string& checkpoint_dir, const std::string
 // (one tensor piece at a time). The result loads like one saved by `world_size` FSDP ranks.
 void convert_to_sharded(const std::string& checkpoint_dir, const std::string& out_dir,
                         int world_size);
+
+// --- ModelCheckpoint: Lightning's checkpoint callback (fsdp/callback.h).
+//
+//   fsdp::ModelCheckpointOptions mc;
+//   mc.dirpath = "ckpt";
+//   mc.monitor = "val_loss";            // a metric the LightningModule logs
+//   mc.mode = "min";
+//   mc.save_top_k = 2;                  // keep the 2 best entries, delete the rest
+//   mc.save_last = true;                // ckpt/last -> the newest save
+//   auto cb = std::make_shared<fsdp::ModelCheckpoint>(mc);
+//   options.callbacks = {cb};
+//   trainer.fit(model, train, val);
+//   trainer.fit(model2, train, val, cb->best_model_path());   // resume from the best
+//
+// When it saves (the same rules as Lightning):
+//   every_n_train_steps > 0   after every that many optimizer steps (on_train_batch_end)
+//   every_n_epochs > 0        at the end of every that many epochs: on_train_epoch_end (after
+//                             the epoch-end validation), or on_validation_end when validation
+//                             runs inside the epoch (val_check_interval > 0)
+//   defaults                  every_n_epochs = 1 unless every_n_train_steps is set
+//   never twice at the same global step, and not at the step a fit resumed from.
+// Each save is a checkpoint directory (Trainer::save_checkpoint, options' state_dict_type)
+// named by `filename` (see format_checkpoint_name). Which ones are kept:
+//   save_top_k = -1  all;  0  none (save_last still works);  k > 0 with a monitor: the k best
+//   by the monitored metric (mode "min" or "max"; NaN counts as worst; a tie does not replace);
+//   1 without a monitor: only the newest. Other k without a monitor is an error.
+// An entry pushed out of the top k is deleted (renamed away first, then removed) only after
+// the new entry is complete, so a crash mid-save leaves the old set intact.
+// save_last: `dirpath/last` is a symlink, replaced atomically, to the newest save (a top-k
+// entry of that step, else a separate "last-<name>" entry that replaces the previous one).
+// The monitored value is rank 0's (broadcast), so every rank makes the same decision; log it
+// with sync_dist = true so that it means the global value.
+struct ModelCheckpointOptions {
+  std::string dirpath;                // required: where the checkpoint directories go
+  // Name template: "{epoch}", "{step}" and "{<metric>}" (optionally "{<metric>:.3f}", a printf
+  // format for metrics). Default "{epoch}-{step}"; with auto_insert_metric_name a field is
+  // written as "name=value" ("epoch=2-step=30-val_loss=0.4210"). '/' in names becomes '_'.
+  std::string filename;
+  std::string monitor;                // metric name in Trainer::callback_metrics(); "" = none
+  std::string mode = "min";           // "min" | "max"
+  int64_t save_top_k = 1;
+  bool save_last = false;
+  int64_t every_n_train_steps = 0;
+  int64_t every_n_epochs = -1;        // -1: 1 when every_n_train_steps == 0, else 0 (off)
+  bool auto_insert_metric_name = true;
+};
+
+class ModelCheckpoint : public Callback {
+ public:
+  // Throws for an invalid combination (empty dirpath, unknown mode, save_top_k < -1, top-k > 1
+  // without a monitor).
+  explicit ModelCheckpoint(ModelCheckpointOptions options);
+
+  void on_fit_start(Trainer& trainer, LightningModule& module) override;
+  void on_train_batch_end(Trainer& trainer, LightningModule& module, int64_t batch_idx) override;
+  void on_validation_end(Trainer& trainer, LightningModule& module) override;
+  void on_train_epoch_end(Trainer& trainer, LightningModule& module) override;
+
+  // Path of the best entry by the monitored metric ("" before any; the newest save without a
+  // monitor), and its score.
+  const std::string& best_model_path() const { return best_model_path_; }
+  double best_model_score() const { return best_model_score_; }
+  // The worst of the kept top-k entries, and the newest save of any kind.
+  const std::string& kth_best_model_path() const { return kth_best_model_path_; }
+  const std::string& last_model_path() const { return last_model_path_; }
+  // Kept top-k entries: path -> monitored score (NaN without a monitor).
+  const std::map<std::string, double>& best_k_models() const { return best_k_models_; }
+  const ModelCheckpointOptions& options() const { return options_; }
+
+  // The entry name for these values ("epoch=1-step=8-val_loss=0.5000"); missing metrics are 0,
+  // as Lightning's.
+  std::string format_checkpoint_name(int64_t epoch, int64_t step,
+                                     const std::map<std::string, double>& metrics) const;
+
+ private:
+  void save_epoch_based(Trainer& trainer);
+  void save_now(Trainer& trainer);
+  bool better(double a, double b) const;  // a strictly better than b in `mode`
+  std::string unique_path(Trainer& trainer, const std::string& name) const;
+  void update_best();
+
+  ModelCheckpointOptions options_;
+  int64_t every_n_epochs_ = 0;
+  int64_t last_global_step_saved_ = -1;
+  int64_t validated_epoch_ = -1;        // epoch of the last mid-epoch validation save
+  std::map<std::string, double> best_k_models_;
+  std::string best_model_path_;
+  double best_model_score_ = 0;
+  std::string kth_best_model_path_;
+  std::string last_model_path_;
+  std::string own_last_entry_;          // the separate "last-*" entry `last` points to, if any
+  std::vector<std::string> saved_no_monitor_;  // save_top_k == 1 without a monitor
+};
 
 }  // namespace fsdp

@@ -29,6 +29,7 @@
 //   - The strategy is driven in the order documented in fsdp/strategy.h.
 #pragma once
 
+#include "fsdp/callback.h"
 #include "fsdp/data.h"
 #include "fsdp/launcher.h"
 #include "fsdp/lightning.h"
@@ -116,6 +117,10 @@ struct TrainerOptions {
   std::string checkpoint_dir;
   int64_t save_every_n_steps = 0;
   std::string state_dict_type = "full";
+  // Hooks called during fit (fsdp/callback.h), e.g. fsdp::ModelCheckpoint (fsdp/checkpoint.h).
+  // checkpoint_dir + save_every_n_steps above is sugar for a ModelCheckpoint(dirpath =
+  // checkpoint_dir, filename "step-{step}", every_n_train_steps, save_top_k = -1, save_last).
+  std::vector<CallbackPtr> callbacks;
 };
 
 // What a fit() measured, on every rank (losses are already the global mean everywhere; the
@@ -190,6 +195,10 @@ class Trainer {
   const ProcessGroupPtr& world() const { return world_; }
   const LaunchInfo& launch_info() const { return launch_; }
   const FitResults& results() const { return results_; }
+  // Latest value of every logged metric during fit (step metrics after each optimizer step,
+  // validation metrics after each validation, epoch metrics at epoch end), as Lightning's
+  // trainer.callback_metrics. sync_dist metrics are equal on every rank; others are this rank's.
+  const std::map<std::string, double>& callback_metrics() const { return callback_metrics_; }
 
   // Names accepted by TrainerOptions::precision / accelerator.
   static std::vector<std::string> precision_names();
@@ -212,12 +221,14 @@ class Trainer {
   FitResults results_;
   // Checkpoint state (src/ckpt/trainer_checkpoint.cpp).
   void resume_from_checkpoint();
-  void on_checkpoint_boundary();  // after each optimizer step: periodic saves
+  void setup_callbacks();  // fit_callbacks_ from options_ (checkpoint_dir sugar included)
   std::string resume_path_;
   LightningModule* fit_module_ = nullptr;
   OptimizerConfig fit_opt_;
   int64_t next_epoch_ = 0;  // position of the next training micro-batch
   int64_t next_batch_ = 0;
+  std::map<std::string, double> callback_metrics_;
+  std::vector<CallbackPtr> fit_callbacks_;  // options_.callbacks + the checkpoint_dir sugar
 };
 
 // "single": one process, no communication; world size must be 1.

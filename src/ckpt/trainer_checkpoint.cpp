@@ -1,7 +1,7 @@
-// The Trainer's checkpoint hooks: save_checkpoint, periodic saves into a checkpoint directory
-// (step-<k> entries plus `last`), and resuming fit from a checkpoint. Trainer members live in
-// include/fsdp/trainer.h; fit_impl calls resume_from_checkpoint() and
-// on_checkpoint_boundary() (src/train/trainer.cpp).
+// The Trainer's checkpoint hooks: save_checkpoint, resuming fit from a checkpoint, and the
+// callbacks of a fit (TrainerOptions::callbacks plus the checkpoint_dir sugar, a ModelCheckpoint
+// in src/ckpt/model_checkpoint.cpp). Trainer members live in include/fsdp/trainer.h; fit_impl
+// calls resume_from_checkpoint() and setup_callbacks() (src/train/trainer.cpp).
 #include "fsdp/checkpoint.h"
 #include "fsdp/trainer.h"
 
@@ -65,31 +65,20 @@ void Trainer::resume_from_checkpoint() {
         ", epoch " + std::to_string(next_epoch_) + ", batch " + std::to_string(next_batch_));
 }
 
-void Trainer::on_checkpoint_boundary() {
+void Trainer::setup_callbacks() {
+  fit_callbacks_ = options_.callbacks;
   const TrainerOptions& o = options_;
-  if (o.checkpoint_dir.empty() || o.save_every_n_steps <= 0 ||
-      global_step_ % o.save_every_n_steps != 0) {
-    return;
-  }
-  const fs::path dir(o.checkpoint_dir);
-  const std::string entry = "step-" + std::to_string(global_step_);
-  if (is_global_zero()) {
-    std::error_code ec;
-    fs::create_directories(dir, ec);
-    TORCH_CHECK(!ec, "[Trainer] cannot create checkpoint directory ", dir.string(), ": ",
-                ec.message());
-  }
-  save_checkpoint((dir / entry).string());
-  if (is_global_zero()) {
-    // `last` is a relative symlink replaced atomically (symlink to a temporary name, rename).
-    const fs::path tmp = dir / ("last.tmp." + std::to_string(::getpid()));
-    std::error_code ec;
-    fs::remove(tmp, ec);
-    fs::create_directory_symlink(entry, tmp, ec);
-    TORCH_CHECK(!ec, "[Trainer] cannot create symlink ", tmp.string(), ": ", ec.message());
-    TORCH_CHECK(std::rename(tmp.c_str(), (dir / "last").c_str()) == 0, "[Trainer] cannot "
-                "update ", (dir / "last").string());
-    ckpt::fsync_dir(dir.string());
+  if (!o.checkpoint_dir.empty() && o.save_every_n_steps > 0) {
+    // The checkpoint_dir sugar: <dir>/step-<k> every n steps, all kept, <dir>/last -> newest.
+    ModelCheckpointOptions mc;
+    mc.dirpath = o.checkpoint_dir;
+    mc.filename = "step-{step}";
+    mc.auto_insert_metric_name = false;
+    mc.every_n_train_steps = o.save_every_n_steps;
+    mc.every_n_epochs = 0;
+    mc.save_top_k = -1;
+    mc.save_last = true;
+    fit_callbacks_.push_back(std::make_shared<ModelCheckpoint>(mc));
   }
 }
 

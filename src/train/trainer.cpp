@@ -260,6 +260,8 @@ void Trainer::fit_impl(LightningModule& module, DataLoader& train_loader,
   next_epoch_ = 0;
   next_batch_ = 0;
   if (!resume_path_.empty()) resume_from_checkpoint();
+  callback_metrics_.clear();
+  setup_callbacks();  // options_.callbacks + the checkpoint_dir sugar (trainer_checkpoint.cpp)
   // Setup is done: remember its peaks and measure training on its own (see FitResults).
   const int64_t setup_peak_alloc = memory_stats().peak_bytes;
   const int64_t setup_peak_rss = peak_rss_bytes();
@@ -313,12 +315,15 @@ void Trainer::fit_impl(LightningModule& module, DataLoader& train_loader,
     module.train();
     if (csv && !val.empty()) csv->log(global_step_, current_epoch_, val);
     for (const auto& kv : val) results_.metrics[kv.first] = kv.second;
+    for (const auto& kv : val) callback_metrics_[kv.first] = kv.second;
     metrics.set_progress_bar_extra(val);
+    for (const auto& cb : fit_callbacks_) cb->on_validation_end(*this, module);
   };
 
   module.train();
   module.on_fit_start();
   module.on_train_start();
+  for (const auto& cb : fit_callbacks_) cb->on_fit_start(*this, module);
 
   const auto loop_start = Clock::now();
   Clock::time_point first_step_done;
@@ -377,6 +382,7 @@ void Trainer::fit_impl(LightningModule& module, DataLoader& train_loader,
         loss_sum = 0;
         loss_count = 0;
         results_.losses.push_back(global_loss);
+        for (const auto& kv : metrics.step_values()) callback_metrics_[kv.first] = kv.second;
         results_.steps = global_step_;
         if (bar) bar->update(global_step_, epoch, global_loss, metrics.progress_bar_values());
         if (csv && log_now) {
@@ -386,8 +392,8 @@ void Trainer::fit_impl(LightningModule& module, DataLoader& train_loader,
         if (total_steps >= 0 && global_step_ >= total_steps) stop = true;
         next_epoch_ = last_batch ? epoch + 1 : epoch;
         next_batch_ = last_batch ? 0 : batch_idx + 1;
-        on_checkpoint_boundary();
       }
+      for (const auto& cb : fit_callbacks_) cb->on_train_batch_end(*this, module, batch_idx);
 
       if (run_val && ((val_every > 0 && (batch_idx + 1) % val_every == 0) ||
                       (val_every == 0 && last_batch))) {
@@ -399,9 +405,12 @@ void Trainer::fit_impl(LightningModule& module, DataLoader& train_loader,
     auto epoch_values = metrics.finish_epoch();
     if (csv && !epoch_values.empty()) csv->log(global_step_, epoch, epoch_values);
     for (const auto& kv : epoch_values) results_.metrics[kv.first] = kv.second;
+    for (const auto& kv : epoch_values) callback_metrics_[kv.first] = kv.second;
+    for (const auto& cb : fit_callbacks_) cb->on_train_epoch_end(*this, module);
     module.on_train_epoch_end();
   }
   module.on_train_end();
+  for (const auto& cb : fit_callbacks_) cb->on_train_end(*this, module);
   if (bar) bar->finish();
 
   results_.seconds = seconds_since(loop_start);

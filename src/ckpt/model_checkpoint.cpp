@@ -1,0 +1,305 @@
+// ModelCheckpoint: when to save, what to keep (top-k by a monitored metric), `last`.
+// See the comment above ModelCheckpointOptions in include/fsdp/checkpoint.h.
+#include "fsdp/checkpoint.h"
+#include "fsdp/trainer.h"
+
+#include "ckpt/safetensors.h"
+
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+#include <limits>
+
+#include <unistd.h>
+
+namespace fsdp {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string sanitize(std::string s) {
+  for (char& c : s) {
+    if (c == '/') c = '_';
+  }
+  return s;
+}
+
+// Points dir/link at `target` (a name inside dir) atomically: a symlink under a temporary name,
+// renamed over the old one. A `last` that is a real directory (written by an older version) is
+// moved away first.
+void point_symlink(const fs::path& dir, const std::string& link, const std::string& target) {
+  const fs::path tmp = dir / ("." + link + ".tmp." + std::to_string(::getpid()));
+  std::error_code ec;
+  fs::remove(tmp, ec);
+  fs::create_directory_symlink(target, tmp, ec);
+  TORCH_CHECK(!ec, "[ModelCheckpoint] cannot create symlink ", tmp.string(), ": ", ec.message(),
+              "; check that ", dir.string(), " is writable");
+  const fs::path dst = dir / link;
+  if (fs::is_directory(fs::symlink_status(dst, ec))) {
+    fs::rename(dst, dir / ("." + link + ".old"), ec);
+  }
+  TORCH_CHECK(std::rename(tmp.c_str(), dst.c_str()) == 0, "[ModelCheckpoint] cannot update ",
+              dst.string());
+  fs::remove_all(dir / ("." + link + ".old"), ec);
+  ckpt::fsync_dir(dir.string());
+}
+
+// Deletes a published entry: renamed to a hidden name first (one atomic step: the entry is
+// either complete under its name or gone), then removed.
+void delete_entry(const std::string& path) {
+  const fs::path p(path);
+  const fs::path hidden = p.parent_path() / ("." + p.filename().string() + ".deleting");
+  std::error_code ec;
+  fs::remove_all(hidden, ec);
+  fs::rename(p, hidden, ec);
+  if (ec) return;  // already gone
+  ckpt::fsync_dir(p.parent_path().string());
+  fs::remove_all(hidden, ec);
+}
+
+}  // namespace
+
+ModelCheckpoint::ModelCheckpoint(ModelCheckpointOptions options) : options_(std::move(options)) {
+  const auto& o = options_;
+  TORCH_CHECK(!o.dirpath.empty(), "[ModelCheckpoint] dirpath is empty; set "
+              "ModelCheckpointOptions::dirpath (fsdp-train: --checkpoint-dir)");
+  TORCH_CHECK(o.mode == "min" || o.mode == "max", "[ModelCheckpoint] mode '", o.mode,
+              "' is not valid; use 'min' (lower is better, e.g. a loss) or 'max'");
+  TORCH_CHECK(o.save_top_k >= -1, "[ModelCheckpoint] save_top_k = ", o.save_top_k,
+              " is not valid; use -1 (keep all), 0 (none) or k > 0 (the best k)");
+  TORCH_CHECK(!o.monitor.empty() || o.save_top_k == -1 || o.save_top_k == 0 ||
+                  o.save_top_k == 1,
+              "[ModelCheckpoint] save_top_k = ", o.save_top_k, " without a monitor is not a "
+              "valid configuration: there is no quantity to rank checkpoints by. Set monitor "
+              "(fsdp-train: --monitor NAME) or use save_top_k -1 / 1");
+  TORCH_CHECK(o.every_n_train_steps >= 0, "[ModelCheckpoint] every_n_train_steps must be >= 0, "
+              "got ", o.every_n_train_steps);
+  TORCH_CHECK(o.every_n_epochs >= -1, "[ModelCheckpoint] every_n_epochs must be >= 0 (or -1 "
+              "for the default), got ", o.every_n_epochs);
+  every_n_epochs_ = o.every_n_epochs >= 0 ? o.every_n_epochs
+                                          : (o.every_n_train_steps > 0 ? 0 : 1);
+  best_model_score_ = std::numeric_limits<double>::quiet_NaN();
+}
+
+bool ModelCheckpoint::better(double a, double b) const {
+  return options_.mode == "min" ? a < b : a > b;
+}
+
+std::string ModelCheckpoint::format_checkpoint_name(
+    int64_t epoch, int64_t step, const std::map<std::string, double>& metrics) const {
+  const std::string tmpl = options_.filename.empty() ? "{epoch}-{step}" : options_.filename;
+  std::string out;
+  size_t i = 0;
+  while (i < tmpl.size()) {
+    if (tmpl[i] != '{') {
+      out.push_back(tmpl[i++]);
+      continue;
+    }
+    const size_t close = tmpl.find('}', i);
+    TORCH_CHECK(close != std::string::npos, "[ModelCheckpoint] filename '", tmpl,
+                "' has an unclosed '{'");
+    std::string field = tmpl.substr(i + 1, close - i - 1);
+    std::string spec;
+    if (auto colon = field.find(':'); colon != std::string::npos) {
+      spec = field.substr(colon + 1);
+      field = field.substr(0, colon);
+    }
+    TORCH_CHECK(!field.empty(), "[ModelCheckpoint] filename '", tmpl, "' has an empty {}");
+    char buf[64];
+    if (field == "epoch" || field == "step") {
+      std::snprintf(buf, sizeof buf, "%lld", static_cast<long long>(field == "epoch" ? epoch
+                                                                                    : step));
+    } else {
+      auto it = metrics.find(field);
+      const double v = it == metrics.end() ? 0.0 : it->second;
+      if (spec.empty()) spec = ".4f";
+      TORCH_CHECK(spec.find_first_not_of("0123456789.-+ #") == spec.size() - 1 &&
+                      std::string("eEfFgG").find(spec.back()) != std::string::npos,
+                  "[ModelCheckpoint] format '", spec, "' for '", field, "' in filename '", tmpl,
+                  "' is not a floating-point format such as .3f or .4g");
+      std::snprintf(buf, sizeof buf, ("%" + spec).c_str(), v);
+    }
+    if (options_.auto_insert_metric_name) out += sanitize(field) + "=";
+    out += buf;
+    i = close + 1;
+  }
+  return sanitize(out);
+}
+
+// A name not used yet in dirpath (Lightning appends -v1, -v2, ... on a collision). Rank 0
+// looks at the directory and broadcasts the version, so every rank saves to the same path.
+std::string ModelCheckpoint::unique_path(Trainer& trainer, const std::string& name) const {
+  const fs::path dir(options_.dirpath);
+  int64_t version = 0;
+  if (trainer.is_global_zero()) {
+    std::error_code ec;
+    auto taken = [&](const std::string& n) {
+      return fs::exists(fs::symlink_status(dir / n, ec)) ||
+             fs::exists(dir / (n + ".partial"), ec);
+    };
+    while (taken(version == 0 ? name : name + "-v" + std::to_string(version))) ++version;
+  }
+  if (trainer.world_size() > 1) {
+    at::Tensor v = at::tensor({version}, at::kLong);
+    trainer.world()->broadcast(v, 0);
+    version = v.item<int64_t>();
+  }
+  return (dir / (version == 0 ? name : name + "-v" + std::to_string(version))).string();
+}
+
+void ModelCheckpoint::on_fit_start(Trainer& trainer, LightningModule&) {
+  // A resumed fit does not save the step it resumed from again.
+  last_global_step_saved_ = trainer.global_step();
+  validated_epoch_ = -1;
+  if (trainer.is_global_zero()) {
+    std::error_code ec;
+    fs::create_directories(options_.dirpath, ec);
+    TORCH_CHECK(!ec, "[ModelCheckpoint] cannot create dirpath ", options_.dirpath, ": ",
+                ec.message());
+  }
+}
+
+void ModelCheckpoint::on_train_batch_end(Trainer& trainer, LightningModule&, int64_t) {
+  const int64_t n = options_.every_n_train_steps;
+  if (n <= 0 || trainer.global_step() % n != 0) return;
+  save_now(trainer);  // skips a step already saved (micro-batches inside one step)
+}
+
+void ModelCheckpoint::on_validation_end(Trainer& trainer, LightningModule&) {
+  // Epoch-end validation is followed by on_train_epoch_end, which saves; validation inside an
+  // epoch (val_check_interval > 0) saves here, as Lightning's ModelCheckpoint does.
+  if (trainer.options().val_check_interval <= 0) return;
+  validated_epoch_ = trainer.current_epoch();
+  save_epoch_based(trainer);
+}
+
+void ModelCheckpoint::on_train_epoch_end(Trainer& trainer, LightningModule&) {
+  if (validated_epoch_ == trainer.current_epoch()) return;
+  save_epoch_based(trainer);
+}
+
+void ModelCheckpoint::save_epoch_based(Trainer& trainer) {
+  if (every_n_epochs_ <= 0 || (trainer.current_epoch() + 1) % every_n_epochs_ != 0) return;
+  save_now(trainer);
+}
+
+void ModelCheckpoint::update_best() {
+  best_model_path_.clear();
+  kth_best_model_path_.clear();
+  best_model_score_ = std::numeric_limits<double>::quiet_NaN();
+  if (options_.monitor.empty()) return;
+  double worst = 0;
+  for (const auto& [path, score] : best_k_models_) {
+    if (best_model_path_.empty() || better(score, best_model_score_)) {
+      best_model_path_ = path;
+      best_model_score_ = score;
+    }
+    if (kth_best_model_path_.empty() || better(worst, score)) {
+      kth_best_model_path_ = path;
+      worst = score;
+    }
+  }
+}
+
+// Note [ModelCheckpoint is collective]
+// Every rank runs the same decisions on the same inputs (global step, epoch, and the monitored
+// value broadcast from rank 0), so every rank calls Trainer::save_checkpoint for the same
+// entries. Only rank 0 touches the directory (symlinks, deletions).
+void ModelCheckpoint::save_now(Trainer& trainer) {
+  const auto& o = options_;
+  const int64_t step = trainer.global_step();
+  if (step == last_global_step_saved_) return;
+  last_global_step_saved_ = step;
+  const bool zero = trainer.is_global_zero();
+  const std::map<std::string, double>& metrics = trainer.callback_metrics();
+
+  // The monitored value, identical on every rank.
+  bool have = false;
+  double current = 0;
+  if (!o.monitor.empty()) {
+    auto it = metrics.find(o.monitor);
+    at::Tensor v = at::tensor({it != metrics.end() ? 1.0 : 0.0,
+                               it != metrics.end() ? it->second : 0.0}, at::kDouble);
+    if (trainer.world_size() > 1) trainer.world()->broadcast(v, 0);
+    have = v[0].item<double>() != 0;
+    current = v[1].item<double>();
+    if (!have) {
+      std::string names;
+      for (const auto& kv : metrics) names += (names.empty() ? "" : ", ") + kv.first;
+      TORCH_CHECK(!o.monitor.empty() && o.monitor.rfind("val", 0) == 0 &&
+                      o.every_n_train_steps > 0,
+                  "[ModelCheckpoint] monitor '", o.monitor, "' is not among the logged metrics "
+                  "at step ", step, " (", names.empty() ? std::string("none") : names,
+                  "). HINT: log it in the LightningModule (log(\"", o.monitor, "\", value, "
+                  "{.sync_dist = true})) or monitor one of those names");
+      if (zero) {
+        std::cerr << "[ModelCheckpoint] step " << step << ": monitor '" << o.monitor
+                  << "' not logged yet (validation has not run); top-k skipped for this save\n";
+      }
+    }
+    if (have && std::isnan(current)) {
+      current = o.mode == "min" ? std::numeric_limits<double>::infinity()
+                                : -std::numeric_limits<double>::infinity();
+    }
+  }
+
+  auto metrics_for_name = metrics;
+  if (have) metrics_for_name[o.monitor] = current;
+  const std::string name = format_checkpoint_name(trainer.current_epoch(), step,
+                                                  metrics_for_name);
+  std::string saved;                 // entry written at this step
+  std::vector<std::string> evicted;  // deleted after `last` moved
+
+  if (o.save_top_k != 0) {
+    if (o.monitor.empty()) {
+      saved = unique_path(trainer, name);
+      trainer.save_checkpoint(saved);
+      if (o.save_top_k == 1) {
+        evicted = saved_no_monitor_;
+        saved_no_monitor_ = {saved};
+      } else {
+        saved_no_monitor_.push_back(saved);
+      }
+      best_model_path_ = saved;
+    } else if (have) {
+      const bool room = o.save_top_k == -1 ||
+                        static_cast<int64_t>(best_k_models_.size()) < o.save_top_k;
+      if (room || better(current, best_k_models_.at(kth_best_model_path_))) {
+        saved = unique_path(trainer, name);
+        trainer.save_checkpoint(saved);
+        best_k_models_[saved] = current;
+        if (o.save_top_k > 0 && static_cast<int64_t>(best_k_models_.size()) > o.save_top_k) {
+          evicted.push_back(kth_best_model_path_);
+          best_k_models_.erase(kth_best_model_path_);
+        }
+        update_best();
+      }
+    }
+  }
+
+  if (o.save_last) {
+    std::string target = saved;
+    std::string old_own = own_last_entry_;
+    if (target.empty()) {
+      target = unique_path(trainer, "last-" + name);
+      trainer.save_checkpoint(target);
+      own_last_entry_ = target;
+    } else {
+      own_last_entry_.clear();
+    }
+    if (zero) point_symlink(o.dirpath, "last", fs::path(target).filename().string());
+    if (!old_own.empty() && old_own != target) evicted.push_back(old_own);
+  }
+  if (!saved.empty() || o.save_last) {
+    last_model_path_ = saved.empty() ? own_last_entry_ : saved;
+  }
+  if (zero) {
+    for (const auto& path : evicted) delete_entry(path);
+  }
+}
+
+}  // namespace fsdp
