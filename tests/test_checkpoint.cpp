@@ -14,6 +14,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <set>
 
 namespace fs = std::filesystem;
 using fsdp::testing::TinyLM;
@@ -40,10 +41,15 @@ struct Run {
   std::shared_ptr<torch::optim::Optimizer> opt;
 
   Run(const std::string& kind, const std::string& optimizer = "adamw") {
-    if (kind == "fsdp") {
+    if (kind == "fsdp" || kind == "hybrid" || kind == "hybrid_zero2") {
       fsdp::FSDPOptions o;
       o.auto_wrap_policy =
           fsdp::AutoWrapPolicy::of_types(fsdp::demos::layer_types("transformer-tiny"));
+      if (kind != "fsdp") {  // 2 x 2 at world 4: shard groups {0,1}, {2,3}
+        o.sharding_strategy = kind == "hybrid" ? fsdp::ShardingStrategy::kHybridShard
+                                               : fsdp::ShardingStrategy::kHybridShardZero2;
+        o.hybrid_shard_size = 2;
+      }
       strategy = std::make_shared<fsdp::FSDPStrategy>(o);
     } else {
       strategy = fsdp::make_strategy(kind);
@@ -218,6 +224,37 @@ TEST(Checkpoint, MpiShardedSaveAt2ReshardsTo3) {
   make_reference(dir, 2, "mpi", "fsdp", fsdp::StateDictType::kSharded);
   check_resume(dir, 2, "mpi", "fsdp", 0);
   check_resume(dir, 3, "mpi", "fsdp", 1e-6);
+}
+
+// Hybrid sharding (2 x 2 at world 4): only the first replica writes (2 shard files), and the
+// checkpoint loads back under hybrid (bitwise), plain FSDP at world 2 and a single process.
+TEST(Checkpoint, HybridShardSaveAt2x2ReshardsToFsdp2AndSingle) {
+  std::string dir = scratch("hybrid");
+  fresh_dir(dir);
+  make_reference(dir, 4, "gloo", "hybrid", fsdp::StateDictType::kSharded);
+  if (!fsdp::testing::in_child_rank()) {
+    std::set<std::string> files;
+    for (const auto& e : fs::directory_iterator(dir + "/ckpt")) {
+      files.insert(e.path().filename().string());
+    }
+    EXPECT_EQ(files, (std::set<std::string>{"metadata.json", "shard-0-of-2.safetensors",
+                                            "shard-1-of-2.safetensors"}));
+    json meta = read_json(dir + "/ckpt/metadata.json");
+    EXPECT_EQ(meta["world_size"], 4);
+  }
+  check_resume(dir, 4, "gloo", "hybrid", 0);
+  check_resume(dir, 2, "gloo", "fsdp", 1e-6);
+  check_resume(dir, 1, "gloo", "single", 1e-6);
+  check_resume(dir, 3, "gloo", "ddp", 1e-6);
+}
+
+// HYBRID_SHARD_ZERO2, full format (replica 0 gathers, its rank 0 writes) on MPI; loads at 2.
+TEST(Checkpoint, HybridZero2FullSaveMpiLoadsAtFsdp2) {
+  std::string dir = scratch("hybrid-zero2");
+  fresh_dir(dir);
+  make_reference(dir, 4, "mpi", "hybrid_zero2", fsdp::StateDictType::kFull);
+  check_resume(dir, 4, "mpi", "hybrid_zero2", 0);
+  check_resume(dir, 2, "mpi", "fsdp", 1e-6);
 }
 
 TEST(Checkpoint, DamagedFilesAndMismatchesAreClearErrors) {

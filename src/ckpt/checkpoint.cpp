@@ -64,12 +64,21 @@ struct LocalTensor {
   }
 };
 
+// Note [Who writes a checkpoint]
+// Every replica of the model state holds the same values: DDP and single ranks hold the whole
+// model, FSDP ranks one shard group's worth (the shard group is the world for FULL_SHARD and
+// SHARD_GRAD_OP, one rank for NO_SHARD, a node for HYBRID_SHARD*). Only the first replica
+// (replica_rank 0) writes: shard rank i of it writes file i of shard_world files
+// (shard-<i>-of-<shard_world>), file 0 also holds the replicated tensors (buffers, parameters
+// FSDP does not manage). Other replicas only join the barriers. Loading does not care who
+// wrote: each rank reads the rows it needs.
 struct Layout {
   std::vector<LocalTensor> model;      // parameters then buffers
   std::vector<LocalTensor> optimizer;  // optim.<fqn>.<stat>
   ProcessGroupPtr shard_group;         // null: nothing sharded
   int shard_world = 1;
   int shard_rank = 0;
+  int replica_rank = 0;                // index of this rank's replica (0 writes)
   std::map<const c10::TensorImpl*, std::string> param_fqn;  // registered tensor -> FQN
 };
 
@@ -117,13 +126,17 @@ Layout build_layout(Strategy* strategy, torch::nn::Module& module,
     L.shard_group = st.shard_group();
     L.shard_world = L.shard_group ? L.shard_group->size() : 1;
     L.shard_rank = L.shard_group ? L.shard_group->rank() : 0;
-    TORCH_CHECK(L.shard_world == 1 || L.shard_world == strategy->world_size(),
-                "[checkpoint] hybrid sharding (shard group of ", L.shard_world, " ranks in a world "
-                "of ", strategy->world_size(), ") is not supported by checkpoints yet; use "
-                "FULL_SHARD, SHARD_GRAD_OP or NO_SHARD");
+    L.replica_rank = st.replicate_group() ? st.replicate_group()->rank() : 0;
+    TORCH_INTERNAL_ASSERT(L.shard_world * (st.replicate_group() ? st.replicate_group()->size()
+                                                                 : 1) ==
+                              strategy->world_size(),
+                          "shard group ", L.shard_world, " x replicate group does not cover the "
+                          "world of ", strategy->world_size());
     for (detail::FsdpParam* p : st.all_params()) {
       if (!p->aliased()) fsdp_params[p->sharded().unsafeGetTensorImpl()] = p;
     }
+  } else if (strategy) {
+    L.replica_rank = strategy->rank();  // ddp / single: every rank is a whole replica
   }
   for (const auto& item : module.named_parameters(/*recurse=*/true)) {
     LocalTensor t;
@@ -227,8 +240,9 @@ std::vector<ckpt::TensorSpec> full_specs(const std::vector<LocalTensor>& ts) {
 // to `file`. Peak: the shards plus one gathered tensor.
 void write_full(const std::string& file, const std::vector<LocalTensor>& ts, const Layout& L,
                 int rank, int64_t step) {
+  if (L.replica_rank != 0) return;  // See Note [Who writes a checkpoint]
   std::unique_ptr<ckpt::SafetensorsWriter> w;
-  if (rank == 0) w = std::make_unique<ckpt::SafetensorsWriter>(file, full_specs(ts));
+  if (L.shard_rank == 0) w = std::make_unique<ckpt::SafetensorsWriter>(file, full_specs(ts));
   for (size_t i = 0; i < ts.size(); ++i) {
     const LocalTensor& t = ts[i];
     if (t.sharded) {
@@ -247,10 +261,11 @@ void write_full(const std::string& file, const std::vector<LocalTensor>& ts, con
 // Sharded format: this rank's unpadded rows of its sharded tensors, plus (rank 0) the
 // replicated ones.
 void write_shard(const std::string& file, const Layout& L, int rank, int64_t step) {
+  if (L.replica_rank != 0) return;  // See Note [Who writes a checkpoint]
   std::vector<const LocalTensor*> mine;
   for (const auto* group : {&L.model, &L.optimizer}) {
     for (const auto& t : *group) {
-      if (t.sharded ? t.rows > 0 : rank == 0) mine.push_back(&t);
+      if (t.sharded ? t.rows > 0 : L.shard_rank == 0) mine.push_back(&t);
     }
   }
   std::vector<ckpt::TensorSpec> specs;
@@ -268,7 +283,8 @@ void write_shard(const std::string& file, const Layout& L, int rank, int64_t ste
   w.commit();
 }
 
-json sharded_tensor_table(const Layout& L, int world) {
+json sharded_tensor_table(const Layout& L) {
+  const int files = L.shard_world;
   json out = json::object();
   for (const auto* group : {&L.model, &L.optimizer}) {
     for (const auto& t : *group) {
@@ -277,10 +293,10 @@ json sharded_tensor_table(const Layout& L, int world) {
         for (int r = 0; r < L.shard_world; ++r) {
           int64_t b = std::min<int64_t>(r * t.shard_rows, t.dim0);
           int64_t e = std::min<int64_t>(b + t.shard_rows, t.dim0);
-          if (e > b) pieces.push_back(json{{"file", ckpt::shard_file_name(r, world)}, {"rows", {b, e}}});
+          if (e > b) pieces.push_back(json{{"file", ckpt::shard_file_name(r, files)}, {"rows", {b, e}}});
         }
       } else if (t.dim0 > 0) {
-        pieces.push_back(json{{"file", ckpt::shard_file_name(0, world)}, {"rows", {int64_t{0}, t.dim0}}});
+        pieces.push_back(json{{"file", ckpt::shard_file_name(0, files)}, {"rows", {int64_t{0}, t.dim0}}});
       }
       out[t.key] = {{"shape", t.full_shape},
                     {"dtype", ckpt::dtype_name(ckpt::to_dtype(t.local.scalar_type()))},
@@ -375,9 +391,9 @@ void save_checkpoint(const std::string& dir, Strategy& strategy, torch::nn::Modu
                  progress.global_step);
     }
   } else {
-    write_shard((partial / ckpt::shard_file_name(rank, world)).string(), L, rank,
+    write_shard((partial / ckpt::shard_file_name(L.shard_rank, L.shard_world)).string(), L, rank,
                 progress.global_step);
-    if (rank == 0) meta["tensors"] = sharded_tensor_table(L, world);
+    if (rank == 0) meta["tensors"] = sharded_tensor_table(L);
   }
   strategy.barrier();
 
