@@ -10,8 +10,10 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <cstdio>
+#include <fstream>
 
 using fsdp::testing::LoopConfig;
 using fsdp::testing::TinyLM;
@@ -330,6 +332,48 @@ TEST(ActivationCheckpointing, DdpGlooWorld2MatchesWithoutCheckpointing) {
     const auto got = run(true);
     fsdp::testing::expect_losses_close(got, want, 1e-5);
   });
+}
+
+// fsdp-train --activation-checkpointing: same losses as without it (dropout on), any strategy.
+std::vector<double> cli_losses(const std::vector<std::string>& extra, const std::string& tag,
+                               std::string* out = nullptr) {
+  const std::string json = ::testing::TempDir() + "fsdp_ac_cli_" + tag + ".json";
+  std::vector<std::string> argv = {fsdp::testing::bin_path("fsdp-train"), "--model",
+                                   "transformer-tiny", "--dropout", "0.2", "--seed", "7",
+                                   "--max-steps", "6", "--no-progress-bar", "--default-root-dir",
+                                   ::testing::TempDir() + "fsdp_ac_cli_logs", "--summary-json",
+                                   json};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  auto r = fsdp::testing::run_process(argv, {}, 120);
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  if (out) *out = r.out;
+  std::ifstream in(json);
+  if (!in) {
+    ADD_FAILURE() << "no summary " << json << "\n" << r.err;
+    return {};
+  }
+  auto j = nlohmann::json::parse(in);
+  std::remove(json.c_str());
+  return j.at("losses").get<std::vector<double>>();
+}
+
+TEST(ActivationCheckpointing, FsdpTrainFlagKeepsTheLossesUnderFsdpAndSingle) {
+  for (std::vector<std::string> strategy :
+       {std::vector<std::string>{"--strategy", "fsdp", "--devices", "2"},
+        std::vector<std::string>{"--strategy", "single", "--devices", "1"}}) {
+    SCOPED_TRACE(strategy[1]);
+    const auto plain = cli_losses(strategy, strategy[1] + "_plain");
+    auto with = strategy;
+    with.push_back("--activation-checkpointing");
+    std::string out;
+    const auto ckpt = cli_losses(with, strategy[1] + "_ac", &out);
+    EXPECT_NE(out.find("activation checkpointing on"), std::string::npos) << out;
+    ASSERT_EQ(plain.size(), 6u);
+    ASSERT_EQ(ckpt.size(), plain.size());
+    for (size_t i = 0; i < plain.size(); ++i) {
+      EXPECT_NEAR(ckpt[i], plain[i], 1e-6 * std::abs(plain[i])) << "step " << i;
+    }
+  }
 }
 
 }  // namespace
