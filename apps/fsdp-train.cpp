@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <fstream>
 #include <limits>
 #include <iostream>
@@ -68,6 +69,7 @@ struct Args {
   bool activation_checkpointing = false;  // any strategy: the model's layer types
   // Output
   std::string summary_json;
+  bool dry_run = false;  // print the parameter count and memory per strategy; allocate nothing
   // Checkpoints (include/fsdp/checkpoint.h)
   std::string checkpoint_dir;
   int64_t save_every_n_steps = 0;
@@ -220,6 +222,98 @@ Data load_data(const Args& a) {
 std::string what_of(const std::exception& e) {
   if (auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
   return e.what();
+}
+
+// --dry-run: the model is built on the meta device (shapes only, see fsdp/init.h) and every
+// strategy's per-rank model-state estimate is printed; no rank is started, nothing trains.
+std::string with_commas(int64_t n) {
+  std::string digits = std::to_string(n), out;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return out;
+}
+
+int dry_run(const Args& a, const ModelSpec& spec_in) {
+  ModelSpec spec = spec_in;
+  if (a.data == "wikitext2") {
+    spec.vocab_size = load_data(a).vocab_size;
+  } else {  // the synthetic vocabulary load_data would use
+    spec.vocab_size = a.vocab_size > 0 ? a.vocab_size : std::min<int64_t>(preset_vocab(a.model), 1024);
+    if (spec.vocab_size <= 0) spec.vocab_size = 1024;
+  }
+  std::shared_ptr<fsdp::nn::Module> model;
+  {
+    fsdp::MetaInitGuard meta;  // shapes only: no storage, no init
+    model = build_model(spec);
+  }
+  int64_t params = 0;
+  for (const auto& p : model->parameters()) params += p.numel();
+  const int world = a.devices * a.num_nodes;
+
+  struct Row {
+    std::string name;
+    int64_t params = 0, grads = 0, optimizer = 0, extra = 0;  // extra: buckets / unsharded units
+    int64_t total() const { return params + grads + optimizer + extra; }
+  };
+  std::vector<Row> rows;
+  {
+    const fsdp::DDPMemoryEstimate e = fsdp::estimate_ddp_memory(*model, fsdp::DDPOptions{});
+    rows.push_back({"ddp", e.param_bytes, e.grad_bytes, e.optimizer_bytes, e.bucket_bytes});
+  }
+  std::vector<fsdp::ShardingStrategy> strategies = {fsdp::ShardingStrategy::kNoShard,
+                                                    fsdp::ShardingStrategy::kShardGradOp,
+                                                    fsdp::ShardingStrategy::kFullShard};
+  const int shard_size = a.hybrid_shard_size > 0 ? a.hybrid_shard_size : a.devices;
+  if (a.num_nodes > 1 || (shard_size > 1 && shard_size < world && world % shard_size == 0)) {
+    strategies.push_back(fsdp::ShardingStrategy::kHybridShard);  // meaningful: > 1 shard group
+  }
+  for (auto ss : strategies) {
+    fsdp::FSDPOptions o;
+    o.sharding_strategy = ss;
+    o.auto_wrap_policy = fsdp::parse_wrap_policy(
+        a.wrap_policy, fsdp::demos::layer_types(a.model == "custom" ? "transformer-tiny" : a.model));
+    o.hybrid_shard_size = a.hybrid_shard_size;
+    const fsdp::FSDPMemoryEstimate e = fsdp::estimate_fsdp_memory(*model, o, world, a.devices);
+    rows.push_back({std::string("fsdp ") + fsdp::to_string(ss), e.sharded_param_bytes,
+                    e.sharded_grad_bytes, e.optimizer_bytes, e.unsharded_peak_bytes});
+  }
+
+  std::cout << "[fsdp-train] dry run: model " << a.model << ", " << with_commas(params)
+            << " parameters (" << fsdp::format_bytes(params * 4) << " fp32), vocab "
+            << spec.vocab_size << ", world " << world << " (" << a.devices << " per node), "
+            << "wrap policy " << a.wrap_policy << "; nothing allocated (meta device)\n";
+  std::printf("%-20s %12s %12s %12s %14s %12s\n", "strategy", "params/rank", "grads/rank",
+              "Adam state", "buffers/units", "total/rank");
+  for (const auto& r : rows) {
+    std::printf("%-20s %12s %12s %12s %14s %12s\n", r.name.c_str(),
+                fsdp::format_bytes(r.params).c_str(), fsdp::format_bytes(r.grads).c_str(),
+                fsdp::format_bytes(r.optimizer).c_str(), fsdp::format_bytes(r.extra).c_str(),
+                fsdp::format_bytes(r.total()).c_str());
+  }
+  const int64_t rss = fsdp::peak_rss_bytes();
+  std::cout << "model state only (fp32 params, grads, 2 Adam moments; DDP: + bucket buffers; "
+               "FSDP: + root unit and the two largest units unsharded); activations not "
+               "included. Peak RSS of this dry run: "
+            << fsdp::format_bytes(rss) << std::endl;
+  if (!a.summary_json.empty()) {
+    nlohmann::json j;
+    j["model"] = a.model;
+    j["params"] = params;
+    j["vocab_size"] = spec.vocab_size;
+    j["world_size"] = world;
+    j["peak_rss_bytes"] = rss;
+    for (const auto& r : rows) {
+      j["strategies"].push_back({{"name", r.name}, {"param_bytes", r.params},
+                                 {"grad_bytes", r.grads}, {"optimizer_bytes", r.optimizer},
+                                 {"extra_bytes", r.extra}, {"total_bytes", r.total()}});
+    }
+    std::ofstream f(a.summary_json);
+    TORCH_CHECK(f, "[fsdp-train] cannot write --summary-json '", a.summary_json, "'");
+    f << j.dump(2) << "\n";
+  }
+  return 0;
 }
 
 int run(const Args& a, const ModelSpec& spec_in) {
@@ -442,6 +536,9 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   // Output
   app.add_option("--summary-json", a.summary_json, "write the run summary (losses, it/s, memory) as JSON here");
+  app.add_flag("--dry-run", a.dry_run,
+               "print the parameter count and per-rank memory of every strategy at --devices, "
+               "without allocating the model (meta device), and exit");
   // Checkpoints
   app.add_option("--checkpoint-dir", a.checkpoint_dir,
                  "save DIR/step-<k> every --save-every-n-steps steps (or --every-n-epochs "
@@ -506,6 +603,7 @@ int main(int argc, char** argv) {
   }
 
   try {
+    if (a.dry_run) return dry_run(a, spec);
     return run(a, spec);
   } catch (const std::exception& e) {
     fsdp::fail_rank(what_of(e));

@@ -52,13 +52,15 @@ Measured measure(fsdp::ShardingStrategy ss) {
     fsdp::FSDPStrategy strategy(o);
     strategy.connect(fsdp::world_group(), {});
     fsdp::configure_model_with(strategy, lm);
-    for (auto& p : lm.parameters()) m.params += p.numel();
     strategy.setup_module(lm);
     for (auto& unit : strategy.state().units()) {
       int64_t padded = 0, full = 0;
       for (auto& p : unit->params()) {
         padded += p->padded_numel();
         full += p->unsharded().numel();
+        // Full shapes: with deferred init, lm.parameters() are shards already after
+        // configure_model.
+        m.params += p->unsharded().numel();
       }
       m.padded += padded;
       if (unit->is_root()) {

@@ -10,6 +10,7 @@
 #include "fsdp/data.h"
 #include "fsdp/ddp.h"
 #include "fsdp/fsdp_strategy.h"
+#include "fsdp/init.h"
 #include "fsdp/launcher.h"
 #include "fsdp/lightning.h"
 #include "fsdp/memory.h"

@@ -93,17 +93,23 @@ struct FSDPOptions {
   // Ranks per shard group for the hybrid strategies; 0 = the ranks of one node
   // (LaunchInfo::local_world_size). Must divide the world size.
   int hybrid_shard_size = 0;
+  // Deferred initialization: shard each unit as soon as configure_model has built it
+  // (fsdp::nn::built / fsdp::wrap), so no rank ever holds the whole model. Applies to
+  // FULL_SHARD and SHARD_GRAD_OP over more than one rank with a type-based wrap policy or
+  // manual wraps; other configurations build the whole model, then shard it. See
+  // Note [Deferred initialization] in src/shard/deferred_init.cpp.
+  bool deferred_init = true;
+
+  // Mixed precision (fsdp/precision.h): fp32 sharded master parameters and optimizer state;
+  // all-gather, compute and reduce-scatter in the policy's dtypes. Unset = fp32 throughout.
+  // The Trainer's precision "bf16-mixed" sets {bf16, bf16, bf16} unless this is already set.
+  std::optional<MixedPrecisionPolicy> mixed_precision;
 
   // Activation checkpointing: every module of these types (typically the wrap policy's) runs
   // forward without keeping its activations and recomputes them in backward (see
   // fsdp/activation_checkpointing.h). Applied in setup_module, unless the model already
   // called apply_activation_checkpointing itself in configure_model. Empty: off.
   fsdp::nn::ModuleTypes activation_checkpointing_policy;
-
-  // Mixed precision (fsdp/precision.h): fp32 sharded master parameters and optimizer state;
-  // all-gather, compute and reduce-scatter in the policy's dtypes. Unset = fp32 throughout.
-  // The Trainer's precision "bf16-mixed" sets {bf16, bf16, bf16} unless this is already set.
-  std::optional<MixedPrecisionPolicy> mixed_precision;
 
   // --- owned by later issues: present so configurations can name them, but any non-default
   // value is refused with "not supported yet" until the feature works.
@@ -113,6 +119,7 @@ struct FSDPOptions {
 
 namespace detail {
 class FsdpState;
+class DeferredInit;
 }
 
 // Per-rank model-state bytes of a configuration (fp32 parameters, fp32 gradients and two fp32
@@ -164,6 +171,15 @@ class FSDPStrategy : public Strategy {
   // Full parameter values by FQN (collective over the world: every rank calls it).
   std::vector<std::pair<std::string, at::Tensor>> gather_full_params();
 
+  // (all, trainable) parameter elements of the set-up model, full shapes (tied counted once).
+  std::pair<int64_t, int64_t> parameter_counts();
+  // Units sharded during configure_model by deferred initialization (0 when it was off).
+  int num_deferred_units() const { return num_deferred_units_; }
+  // Builds the units of `module` (parameters on any device, e.g. meta tensors) as for a world
+  // of `world_size` ranks, `local_world_size` per node, without process groups, sharding or
+  // allocation: memory_estimate() is valid afterwards. For fsdp::estimate_fsdp_memory.
+  void plan_module(torch::nn::Module& module, int world_size, int local_world_size);
+
  private:
   // setup_module: FSDPOptions::activation_checkpointing_policy, unless the model applied its own.
   void apply_checkpointing_policy(LightningModule& module);
@@ -172,6 +188,15 @@ class FSDPStrategy : public Strategy {
   std::string name_ = "fsdp";
   std::vector<fsdp::nn::Module*> manual_units_;
   std::unique_ptr<detail::FsdpState> state_;
+
+  // Deferred initialization (src/shard/deferred_init.cpp): the state that receives units
+  // sharded while configure_model runs, and the observer that shards them.
+  bool deferred_init_applies() const;
+  void begin_deferred_init();
+  void end_deferred_init();
+  std::unique_ptr<detail::FsdpState> deferred_state_;
+  std::unique_ptr<detail::DeferredInit> deferred_;
+  int num_deferred_units_ = 0;
 };
 
 // The one parser of FSDP strategy names: "fsdp" (FULL_SHARD), "fsdp_full_shard",

@@ -10,6 +10,7 @@
 #include <torch/nn/module.h>
 
 #include <functional>
+#include <memory>
 #include <string>
 #include <typeindex>
 #include <unordered_set>
@@ -66,6 +67,34 @@ ModuleTypes module_types() {
 }
 inline bool is_instance_of(const torch::nn::Module& m, const ModuleTypes& types) {
   return types.count(std::type_index(typeid(m))) > 0;
+}
+
+// --- Construction notifications (deferred initialization; see fsdp/init.h).
+//
+// A model says "this submodule is fully constructed and initialized; nothing writes its
+// parameters again before training" by passing it through built():
+//
+//   layers->push_back(fsdp::nn::built(std::make_shared<Block>(...)));
+//
+// Outside configure_model under FSDP this returns the module and does nothing else. Under
+// FSDPStrategy (FULL_SHARD / SHARD_GRAD_OP), the units the auto-wrap policy selects inside
+// the module are sharded at once, freeing their full-size storage before the next layer is
+// built. Afterwards module.parameters() of that subtree returns sharded parameters, so
+// change requires_grad or values before built(), not after. The demo models call it for their
+// layers; fsdp::wrap() implies it.
+class InitObserver {
+ public:
+  virtual ~InitObserver() = default;
+  virtual void on_built(torch::nn::Module& module) = 0;
+};
+InitObserver* init_observer();                              // this thread's, or null
+InitObserver* set_init_observer(InitObserver* observer);    // returns the previous one
+void notify_built(torch::nn::Module& module);
+
+template <typename M>
+std::shared_ptr<M> built(std::shared_ptr<M> module) {
+  notify_built(*module);
+  return module;
 }
 
 }  // namespace fsdp::nn

@@ -31,6 +31,7 @@
 
 #include "fsdp/callback.h"
 #include "fsdp/data.h"
+#include "fsdp/init.h"
 #include "fsdp/launcher.h"
 #include "fsdp/lightning.h"
 #include "fsdp/strategy.h"
@@ -172,6 +173,10 @@ class Trainer {
   // Saves the fitted module, optimizer and progress (collective: every rank calls it), in
   // options().state_dict_type format. Valid during and after fit().
   void save_checkpoint(const std::string& path);
+  // Lightning's trainer.init_module(empty_init): while the returned guard lives, models built on
+  // this thread skip random parameter initialization (null for empty_init=false). Use it when
+  // weights are loaded right after. See Note [Empty init] in fsdp/init.h.
+  std::unique_ptr<EmptyInitGuard> init_module(bool empty_init = true) const;
   // Runs validation_step / test_step over the loader and returns the epoch-level metrics
   // (mean over batches; sync_dist metrics also averaged over ranks).
   std::map<std::string, double> validate(LightningModule& module, DataLoader& loader);

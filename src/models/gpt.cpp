@@ -65,7 +65,9 @@ GPT::GPT(const GPTOptions& o) : options_(o) {
   torch::nn::init::normal_(wpe->weight, 0.0, kInitStd);
   auto h = register_module("h", torch::nn::ModuleList());
   for (int64_t i = 0; i < o.n_layer; ++i) {
-    blocks.push_back(std::make_shared<GPTBlock>(o.n_embd, o.n_head, o.dropout, o.n_layer));
+    // built(): the block is complete; FSDP may shard it now (deferred init, fsdp/init.h).
+    blocks.push_back(
+        fsdp::nn::built(std::make_shared<GPTBlock>(o.n_embd, o.n_head, o.dropout, o.n_layer)));
     h->push_back(blocks.back());
   }
   ln_f = register_module("ln_f", layer_norm(o.n_embd));

@@ -99,7 +99,9 @@ Transformer::Transformer(const TransformerOptions& options) : options_(options) 
   auto encoder = transformer->register_module("encoder", std::make_shared<torch::nn::Module>());
   auto encoder_list = encoder->register_module("layers", torch::nn::ModuleList());
   for (int64_t i = 0; i < o.nlayers; ++i) {
-    encoder_layers.push_back(std::make_shared<EncoderLayer>(o.ninp, o.nhead, o.nhid, o.dropout));
+    // built(): the layer is complete; FSDP may shard it now (deferred init, fsdp/init.h).
+    encoder_layers.push_back(
+        fsdp::nn::built(std::make_shared<EncoderLayer>(o.ninp, o.nhead, o.nhid, o.dropout)));
     encoder_list->push_back(encoder_layers.back());
   }
   encoder_norm = encoder->register_module("norm", layer_norm(o.ninp));
@@ -107,7 +109,8 @@ Transformer::Transformer(const TransformerOptions& options) : options_(options) 
       transformer->register_module("decoder", std::make_shared<torch::nn::Module>());
   auto decoder_list = decoder_stack->register_module("layers", torch::nn::ModuleList());
   for (int64_t i = 0; i < o.nlayers; ++i) {
-    decoder_layers.push_back(std::make_shared<DecoderLayer>(o.ninp, o.nhead, o.nhid, o.dropout));
+    decoder_layers.push_back(
+        fsdp::nn::built(std::make_shared<DecoderLayer>(o.ninp, o.nhead, o.nhid, o.dropout)));
     decoder_list->push_back(decoder_layers.back());
   }
   decoder_norm = decoder_stack->register_module("norm", layer_norm(o.ninp));

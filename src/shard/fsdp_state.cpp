@@ -26,15 +26,17 @@ FsdpState::~FsdpState() {
 
 void FsdpState::build(torch::nn::Module& root, const std::vector<UnitSpec>& specs) {
   TORCH_INTERNAL_ASSERT(units_.empty(), "FsdpState::build called twice");
-  units_.push_back(std::make_unique<FsdpParamGroup>("<root>", nullptr, this, shard_group_,
-                                                    replicate_group_, /*reshard=*/false));
+  // Deferred units the selection does not keep become full parameters again.
+  restore_unselected_deferred(specs);
+  units_.push_back(new_unit("<root>", nullptr, /*reshard=*/false));
   std::unordered_map<const torch::nn::Module*, FsdpParamGroup*> unit_of;
   for (const auto& spec : specs) {
     TORCH_INTERNAL_ASSERT(spec.module, "unit spec without module");
     if (unit_of.count(spec.module)) continue;
-    units_.push_back(std::make_unique<FsdpParamGroup>(spec.fqn, spec.module, this, shard_group_,
-                                                      replicate_group_,
-                                                      config_.reshard_after_forward));
+    // A unit sharded during configure_model (deferred init) keeps its sharded parameters.
+    auto deferred = take_deferred_unit(spec.module, spec.fqn);
+    units_.push_back(deferred ? std::move(deferred)
+                              : new_unit(spec.fqn, spec.module, config_.reshard_after_forward));
     unit_of[spec.module] = units_.back().get();
   }
 
@@ -45,6 +47,15 @@ void FsdpState::build(torch::nn::Module& root, const std::vector<UnitSpec>& spec
   std::unordered_map<const c10::TensorImpl*, Seen> seen;
   std::set<std::pair<const torch::nn::Module*, std::string>> registered;
   std::set<const torch::nn::Module*> visited;
+  // Parameters of adopted deferred units are assigned already (both P and S are theirs).
+  for (auto& unit : units_) {
+    if (!preinitialized_.count(unit.get())) continue;
+    for (auto& p : unit->params()) {
+      for (const auto& reg : p->registrations()) registered.insert({reg.module, reg.name});
+      seen[p->unsharded().unsafeGetTensorImpl()] = Seen{p.get(), unit.get()};
+      seen[p->sharded().unsafeGetTensorImpl()] = Seen{p.get(), unit.get()};
+    }
+  }
 
   std::function<void(torch::nn::Module&, const std::string&, FsdpParamGroup*)> visit =
       [&](torch::nn::Module& m, const std::string& prefix, FsdpParamGroup* owner) {
@@ -86,7 +97,9 @@ void FsdpState::build(torch::nn::Module& root, const std::vector<UnitSpec>& spec
 }
 
 void FsdpState::materialize() {
-  for (auto& unit : units_) unit->init();
+  for (auto& unit : units_) {
+    if (!preinitialized_.count(unit.get())) unit->init();  // deferred units are sharded
+  }
   std::weak_ptr<bool> alive = alive_;
   for (auto& unit : units_) {
     if (unit->is_root()) continue;
@@ -104,6 +117,12 @@ void FsdpState::materialize() {
           if (a && *a) g->post_forward(output);
         }));
   }
+}
+
+std::unique_ptr<FsdpParamGroup> FsdpState::new_unit(std::string name, fsdp::nn::Module* module,
+                                                    bool reshard) {
+  return std::make_unique<FsdpParamGroup>(std::move(name), module, this, shard_group_,
+                                          replicate_group_, reshard);
 }
 
 std::vector<FsdpParam*> FsdpState::all_params() {

@@ -7,6 +7,7 @@
 
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -37,6 +38,18 @@ class FsdpState {
   void build(torch::nn::Module& root, const std::vector<UnitSpec>& units);
   // Shards every parameter and installs the forward hooks on the units' modules.
   void materialize();
+
+  // --- deferred initialization (src/shard/deferred_init.cpp). See Note [Deferred
+  // initialization] there. Before build(): shards `module`'s parameters at once as a unit
+  // (those no earlier deferred unit took); build() adopts it when `units` selects the module.
+  void shard_deferred_unit(fsdp::nn::Module& module);
+  bool is_deferred_unit(const torch::nn::Module* module) const;
+  size_t num_deferred_units() const { return deferred_.size(); }
+  size_t num_adopted_units() const { return preinitialized_.size(); }  // after build()
+  // All-gathers the deferred units `specs` does not select back into full parameters (every
+  // rank, same order) and drops them; so does restore_all_deferred for all of them.
+  void restore_unselected_deferred(const std::vector<UnitSpec>& specs);
+  void restore_all_deferred() { restore_unselected_deferred({}); }
 
   const FsdpConfig& config() const { return config_; }
   std::vector<std::unique_ptr<FsdpParamGroup>>& units() { return units_; }  // root unit first
@@ -75,6 +88,15 @@ class FsdpState {
   ProcessGroupPtr shard_group_;
   ProcessGroupPtr replicate_group_;
   std::vector<std::unique_ptr<FsdpParamGroup>> units_;
+  // Deferred units in build order, their (module, name) registrations, and the groups that
+  // build() adopted from them (already sharded: materialize() does not init them again).
+  std::unique_ptr<FsdpParamGroup> new_unit(std::string name, fsdp::nn::Module* module,
+                                           bool reshard);
+  std::unique_ptr<FsdpParamGroup> take_deferred_unit(const torch::nn::Module* module,
+                                                     const std::string& fqn);
+  std::vector<std::unique_ptr<FsdpParamGroup>> deferred_;
+  std::set<std::pair<const torch::nn::Module*, std::string>> deferred_taken_;
+  std::set<const FsdpParamGroup*> preinitialized_;
   // Cleared in the destructor; hooks on the modules check it (the model may outlive us).
   std::shared_ptr<bool> alive_;
 

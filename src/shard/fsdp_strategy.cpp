@@ -4,6 +4,7 @@
 #include "fsdp/lightning.h"
 #include "fsdp/memory.h"
 #include "shard/collectives.h"
+#include "shard/deferred_init.h"
 #include "shard/fsdp_state.h"
 #include "shard/wrap_policy.h"
 
@@ -154,25 +155,41 @@ void wrap_module(fsdp::nn::Module& module) {
   if (auto* fsdp = dynamic_cast<FSDPStrategy*>(active_strategy())) fsdp->mark_unit(module);
 }
 
+namespace detail {
+FsdpConfig make_fsdp_config(const FSDPOptions& options) {
+  FsdpConfig config;
+  config.reshard_after_forward = reshards_after_forward(options.sharding_strategy);
+  config.forward_prefetch = options.forward_prefetch;
+  config.backward_prefetch = options.backward_prefetch;
+  config.limit_all_gathers = options.limit_all_gathers;
+  config.mixed_precision = options.mixed_precision;
+  return config;
+}
+}  // namespace detail
+
 // --- FSDPStrategy ------------------------------------------------------------------------------
 
 FSDPStrategy::FSDPStrategy(FSDPOptions options) : options_(std::move(options)) {
   check_not_supported_yet(options_);
 }
 
-FSDPStrategy::~FSDPStrategy() = default;
+FSDPStrategy::~FSDPStrategy() { end_deferred_init(); }
 
 void FSDPStrategy::connect(ProcessGroupPtr world, const LaunchInfo& launch) {
   Strategy::connect(std::move(world), launch);
 }
 
-void FSDPStrategy::enter_configure_model() { manual_units_.clear(); }
-void FSDPStrategy::exit_configure_model() {}
+void FSDPStrategy::enter_configure_model() {
+  manual_units_.clear();
+  begin_deferred_init();  // See Note [Deferred initialization] in deferred_init.cpp.
+}
+void FSDPStrategy::exit_configure_model() { end_deferred_init(); }
 
 void FSDPStrategy::mark_unit(fsdp::nn::Module& module) {
   if (std::find(manual_units_.begin(), manual_units_.end(), &module) == manual_units_.end()) {
     manual_units_.push_back(&module);
   }
+  if (deferred_) deferred_->on_wrap(module);  // a wrapped module is complete: shard it now
 }
 
 // Activation checkpointing is a module transform (fsdp/activation_checkpointing.h): the
@@ -232,16 +249,20 @@ void FSDPStrategy::setup_module(LightningModule& module) {
     shard_group = world_;
   }
 
-  detail::FsdpConfig config;
-  config.reshard_after_forward = reshards_after_forward(ss);
-  config.forward_prefetch = options_.forward_prefetch;
-  config.backward_prefetch = options_.backward_prefetch;
-  config.limit_all_gathers = options_.limit_all_gathers;
-  config.mixed_precision = options_.mixed_precision;
+  const detail::FsdpConfig config = detail::make_fsdp_config(options_);
 
   auto units = detail::select_units(module, options_.auto_wrap_policy, manual_units_);
-  auto state = std::make_unique<detail::FsdpState>(config, shard_group, replicate_group);
+  // Units sharded during configure_model live in deferred_state_ (deferred init); a
+  // configuration changed since then (e.g. mixed precision) sends them back to eager.
+  end_deferred_init();
+  std::unique_ptr<detail::FsdpState> state = std::move(deferred_state_);
+  if (state && !detail::same_sharding_config(state->config(), config)) {
+    state->restore_all_deferred();
+    state.reset();
+  }
+  if (!state) state = std::make_unique<detail::FsdpState>(config, shard_group, replicate_group);
   state->build(module, units);
+  num_deferred_units_ = static_cast<int>(state->num_adopted_units());
   state_ = std::move(state);
 
   // Refuse a configuration that cannot fit before anything is allocated for it.

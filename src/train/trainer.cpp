@@ -21,6 +21,7 @@
 #include <iomanip>
 #include <iostream>
 #include <sstream>
+#include <tuple>
 
 namespace fsdp {
 namespace {
@@ -227,7 +228,15 @@ void Trainer::setup_model(LightningModule& module, bool for_training) {
   results_.params = params;
   results_.trainable_params = trainable;
   strategy_->setup_module(module);
+  if (auto* fsdp = dynamic_cast<FSDPStrategy*>(strategy_.get())) {
+    // Deferred init shards units inside configure_model: count full shapes, not shards.
+    std::tie(results_.params, results_.trainable_params) = fsdp->parameter_counts();
+  }
   configured_module_ = &module;
+}
+
+std::unique_ptr<EmptyInitGuard> Trainer::init_module(bool empty_init) const {
+  return fsdp::init_module(empty_init);
 }
 
 void Trainer::fit(LightningModule& module, DataLoader& train_loader) {
