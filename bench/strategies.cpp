@@ -3,12 +3,13 @@
 //
 //   fsdp-bench strategies --model transformer-small --devices 2 [--steps 6] --json
 //
-// Runs DDP, NO_SHARD, SHARD_GRAD_OP, FULL_SHARD (and HYBRID_SHARD at world >= 4, shard group =
-// half the ranks) on the same model, data and batch through build/bin/fsdp-train
+// Runs DDP, NO_SHARD, SHARD_GRAD_OP, FULL_SHARD, FULL_SHARD + bf16-mixed (and HYBRID_SHARD at
+// world >= 4, shard group = half the ranks) on the same model, data and batch through build/bin/fsdp-train
 // --summary-json, one after the other, and reports per strategy: peak tensor MB per rank
 // (tracking allocator, max over ranks), peak RSS MB (max over ranks), it/s (first step
 // excluded), each also as a ratio to DDP measured in the same run. JSON on stdout, a markdown
-// table on stderr.
+// table on stderr. FULL_SHARD+AC is FULL_SHARD with fsdp-train --activation-checkpointing (the
+// layers recompute their activations in backward).
 #include "bench.h"
 
 #include <CLI/CLI.hpp>
@@ -157,6 +158,12 @@ int run_strategies(const std::vector<std::string>& args) {
       {"NO_SHARD", "fsdp", with({"--sharding-strategy", "NO_SHARD"})},
       {"SHARD_GRAD_OP", "fsdp", with({"--sharding-strategy", "SHARD_GRAD_OP"})},
       {"FULL_SHARD", "fsdp", with({"--sharding-strategy", "FULL_SHARD"})},
+      // Activation checkpointing of the model's layers: less activation memory, more compute.
+      {"FULL_SHARD+AC", "fsdp",
+       with({"--sharding-strategy", "FULL_SHARD", "--activation-checkpointing"})},
+      // fp32 master shards and Adam state, bf16 all-gather/compute/reduce-scatter.
+      {"FULL_SHARD+bf16-mixed", "fsdp",
+       with({"--sharding-strategy", "FULL_SHARD", "--precision", "bf16-mixed"})},
   };
   if (c.devices >= 4 && c.devices % 2 == 0) {
     entries.push_back({"HYBRID_SHARD", "fsdp",
