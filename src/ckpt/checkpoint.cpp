@@ -202,30 +202,29 @@ Layout build_layout(Strategy* strategy, torch::nn::Module& module,
   return L;
 }
 
-std::string to_hex(const at::Tensor& bytes) {
-  static const char* digits = "0123456789abcdef";
-  auto b = bytes.contiguous();
-  const uint8_t* p = b.data_ptr<uint8_t>();
-  std::string out;
-  out.reserve(b.numel() * 2);
-  for (int64_t i = 0; i < b.numel(); ++i) {
-    out.push_back(digits[p[i] >> 4]);
-    out.push_back(digits[p[i] & 15]);
-  }
-  return out;
+// Note [Per-rank RNG state]
+// Every rank's CPU generator state is saved ("rng_cpu_per_rank", rank 0's also as "rng_cpu"):
+// with dropout each rank draws its own masks, so exact resume needs each rank's own stream.
+// Loading at the world size of the save restores each rank's own state; at another world size
+// every rank gets rank 0's (the ranks' streams depend on the world size anyway, so exact resume
+// across world sizes needs dropout 0).
+at::Tensor cpu_rng_state() {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
 }
 
-at::Tensor from_hex(const std::string& hex, const std::string& what) {
-  TORCH_CHECK(hex.size() % 2 == 0, what, ": \"rng_cpu\" is not a hex string");
-  at::Tensor t = at::empty({static_cast<int64_t>(hex.size() / 2)}, at::kByte);
-  uint8_t* p = t.data_ptr<uint8_t>();
-  auto val = [&](char c) -> int {
-    if (c >= '0' && c <= '9') return c - '0';
-    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    TORCH_CHECK(false, what, ": \"rng_cpu\" is not a hex string");
-  };
-  for (size_t i = 0; i < hex.size() / 2; ++i) p[i] = (val(hex[2 * i]) << 4) | val(hex[2 * i + 1]);
-  return t;
+void set_cpu_rng_state(const std::vector<uint8_t>& bytes) {
+  at::Tensor t = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
+  std::copy(bytes.begin(), bytes.end(), t.data_ptr<uint8_t>());
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(t);
+}
+
+std::string hex_of(const at::Tensor& bytes) {
+  at::Tensor b = bytes.contiguous();
+  return ckpt::to_hex(b.data_ptr<uint8_t>(), static_cast<size_t>(b.numel()));
 }
 
 std::vector<ckpt::TensorSpec> full_specs(const std::vector<LocalTensor>& ts) {
@@ -381,8 +380,22 @@ void save_checkpoint(const std::string& dir, Strategy& strategy, torch::nn::Modu
                  {"epoch", progress.epoch},
                  {"batch_in_epoch", progress.batch_in_epoch},
                  {"scheduler_steps", progress.scheduler_steps}}},
-               {"rng_cpu", to_hex(at::detail::getDefaultCPUGenerator().get_state())}};
+               {"rng_cpu", ""}};
   if (optimizer) meta["optimizer"] = optim_meta;
+  {
+    // See Note [Per-rank RNG state].
+    at::Tensor mine = cpu_rng_state();
+    at::Tensor all = at::empty({mine.numel() * world}, at::kByte);
+    if (world > 1) {
+      strategy.world()->all_gather_into_tensor(all, mine);
+    } else {
+      all.copy_(mine);
+    }
+    json per_rank = json::array();
+    for (int r = 0; r < world; ++r) per_rank.push_back(hex_of(all.narrow(0, r * mine.numel(), mine.numel())));
+    meta["rng_cpu"] = per_rank[0];
+    meta["rng_cpu_per_rank"] = per_rank;
+  }
 
   if (type == StateDictType::kFull) {
     write_full((partial / ckpt::kModelFile).string(), L.model, L, rank, progress.global_step);
@@ -426,7 +439,7 @@ TrainingProgress load_checkpoint(const std::string& dir, Strategy& strategy,
               "directory to resume training");
   Layout L = build_layout(&strategy, module, nullptr, nullptr);
   check_matches(*src, L.model);
-  const json& meta = src->meta();
+  const ckpt::CheckpointMeta& info = src->info();
 
   // Optimizer: state for every parameter the checkpoint has state for.
   struct OptLoad {
@@ -436,19 +449,18 @@ TrainingProgress load_checkpoint(const std::string& dir, Strategy& strategy,
   };
   std::vector<OptLoad> opt_loads;
   if (optimizer) {
-    TORCH_CHECK(meta.contains("optimizer"), "[checkpoint] ", dir, " has no optimizer state (it "
+    TORCH_CHECK(info.has_optimizer, "[checkpoint] ", dir, " has no optimizer state (it "
                 "was saved without an optimizer); load the weights with fsdp::load_weights");
-    const json& om = meta["optimizer"];
     const std::string kind = optimizer_kind(*optimizer);
-    TORCH_CHECK(om.value("kind", "") == kind, "[checkpoint] ", dir, " holds ",
-                om.value("kind", "?"), " optimizer state but the optimizer is ", kind,
+    TORCH_CHECK(info.optimizer_kind == kind, "[checkpoint] ", dir, " holds ",
+                info.optimizer_kind, " optimizer state but the optimizer is ", kind,
                 "; configure the optimizer the checkpoint was saved with");
-    const auto& lrs = om["lrs"];
-    TORCH_CHECK(lrs.is_array() && lrs.size() == optimizer->param_groups().size(),
-                "[checkpoint] ", dir, " has ", lrs.size(), " optimizer param groups, the "
-                "optimizer ", optimizer->param_groups().size());
+    TORCH_CHECK(info.lrs.size() == optimizer->param_groups().size(),
+                "[checkpoint] ", dir, " has ", info.lrs.size(), " optimizer param groups, the "
+                "optimizer ", optimizer->param_groups().size(), "; configure the optimizer's "
+                "parameter groups as when the checkpoint was saved");
     for (const auto& item : module.named_parameters(true)) {
-      if (!om["steps"].contains(item.key())) continue;
+      if (!info.optimizer_steps.count(item.key())) continue;
       const LocalTensor* lt = nullptr;
       for (const auto& m : L.model) {
         if (m.key == item.key()) lt = &m;
@@ -460,8 +472,7 @@ TrainingProgress load_checkpoint(const std::string& dir, Strategy& strategy,
   // Data.
   for (const auto& t : L.model) read_local(*src, t, t.local);
   if (optimizer) {
-    const json& om = meta["optimizer"];
-    const std::string kind = om["kind"];
+    const std::string& kind = info.optimizer_kind;
     for (const auto& ol : opt_loads) {
       auto stat = [&](const std::string& name, bool required) -> at::Tensor {
         std::string key = std::string(ckpt::kOptimPrefix) + ol.fqn + "." + name;
@@ -477,7 +488,7 @@ TrainingProgress load_checkpoint(const std::string& dir, Strategy& strategy,
         read_local(*src, lt, t);
         return t;
       };
-      const int64_t step = om["steps"][ol.fqn].get<int64_t>();
+      const int64_t step = info.optimizer_steps.at(ol.fqn);
       std::unique_ptr<torch::optim::OptimizerParamState> st;
       if (kind == "adamw") {
         auto s = std::make_unique<torch::optim::AdamWParamState>();
@@ -499,23 +510,30 @@ TrainingProgress load_checkpoint(const std::string& dir, Strategy& strategy,
   }
 
   TrainingProgress progress;
-  const json& p = meta.contains("progress") ? meta["progress"] : json::object();
-  progress.global_step = p.value("global_step", int64_t{0});
-  progress.epoch = p.value("epoch", int64_t{0});
-  progress.batch_in_epoch = p.value("batch_in_epoch", int64_t{0});
-  progress.scheduler_steps = p.value("scheduler_steps", int64_t{0});
+  progress.global_step = info.global_step;
+  progress.epoch = info.epoch;
+  progress.batch_in_epoch = info.batch_in_epoch;
+  progress.scheduler_steps = info.scheduler_steps;
   if (scheduler) {
     for (int64_t i = 0; i < progress.scheduler_steps; ++i) scheduler->step();
   }
   if (optimizer) {
-    const auto& lrs = meta["optimizer"]["lrs"];
     auto& groups = optimizer->param_groups();
-    for (size_t i = 0; i < groups.size(); ++i) groups[i].options().set_lr(lrs[i].get<double>());
+    for (size_t i = 0; i < groups.size(); ++i) groups[i].options().set_lr(info.lrs[i]);
   }
-  if (meta.contains("rng_cpu") && meta["rng_cpu"].is_string()) {
-    auto gen = at::detail::getDefaultCPUGenerator();
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    gen.set_state(from_hex(meta["rng_cpu"].get<std::string>(), dir));
+  // See Note [Per-rank RNG state].
+  const int rank = strategy.rank();
+  try {
+    if (info.world_size == strategy.world_size() &&
+        static_cast<int>(info.rng_cpu_per_rank.size()) == strategy.world_size()) {
+      set_cpu_rng_state(info.rng_cpu_per_rank[rank]);
+    } else if (!info.rng_cpu.empty()) {
+      set_cpu_rng_state(info.rng_cpu);
+    }
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "[checkpoint] ", dir, ": the saved CPU RNG state does not fit this "
+                "libtorch's generator (", e.what_without_backtrace(), "); was it saved by "
+                "another libtorch version?");
   }
   strategy.barrier();
   return progress;

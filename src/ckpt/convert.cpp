@@ -61,18 +61,13 @@ CheckpointInfo inspect_checkpoint(const std::string& path) {
   auto src = open_source(path, "fsdp-ckpt inspect");
   CheckpointInfo info;
   info.type = src->type();
-  const json& m = src->meta();
-  if (m.contains("world_size") && m["world_size"].is_number_integer()) {
-    info.world_size = m["world_size"].get<int>();
-  }
-  if (m.contains("strategy") && m["strategy"].is_string()) info.strategy = m["strategy"];
-  if (m.contains("progress") && m["progress"].is_object()) {
-    const json& p = m["progress"];
-    info.progress.global_step = p.value("global_step", int64_t{0});
-    info.progress.epoch = p.value("epoch", int64_t{0});
-    info.progress.batch_in_epoch = p.value("batch_in_epoch", int64_t{0});
-    info.progress.scheduler_steps = p.value("scheduler_steps", int64_t{0});
-  }
+  const ckpt::CheckpointMeta& m = src->info();
+  info.world_size = static_cast<int>(m.world_size);
+  info.strategy = m.strategy;
+  info.progress.global_step = m.global_step;
+  info.progress.epoch = m.epoch;
+  info.progress.batch_in_epoch = m.batch_in_epoch;
+  info.progress.scheduler_steps = m.scheduler_steps;
   for (const auto& [k, t] : src->tensors()) {
     info.tensors.push_back({k, ckpt::dtype_name(t.dtype), t.shape,
                             static_cast<int64_t>(t.pieces.size())});
@@ -87,8 +82,8 @@ void convert_to_safetensors(const std::string& checkpoint_dir, const std::string
     if (is_model_key(k)) specs.push_back({k, t.dtype, t.shape});
   }
   std::map<std::string, std::string> metadata = {{"format", "pt"}};
-  if (src->meta().contains("progress")) {
-    metadata["global_step"] = src->meta()["progress"].value("global_step", json(0)).dump();
+  if (src->type() != "safetensors") {
+    metadata["global_step"] = std::to_string(src->info().global_step);
   }
   ckpt::SafetensorsWriter w(out_file, specs, metadata);
   at::Tensor buf;
@@ -145,6 +140,8 @@ void convert_to_sharded(const std::string& checkpoint_dir, const std::string& ou
   meta["format"] = "fsdp.cpp checkpoint";
   meta["format_version"] = ckpt::kFormatVersion;
   meta["type"] = "sharded";
+  // Per-rank RNG states only mean something at the world size they were saved at.
+  if (src->info().world_size != world_size) meta.erase("rng_cpu_per_rank");
   meta["world_size"] = world_size;
   meta["converted_from"] = src->type();
   meta["tensors"] = table;

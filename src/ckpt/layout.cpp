@@ -68,8 +68,6 @@ std::vector<int64_t> piece_shape(const std::vector<int64_t>& full, int64_t rows)
   return s;
 }
 
-int64_t dim0_of(const std::vector<int64_t>& full) { return full.empty() ? 1 : full[0]; }
-
 namespace {
 
 [[noreturn]] void bad(const std::string& what, const std::string& msg) {
@@ -85,15 +83,6 @@ void add_whole_file(const SafetensorsReader& r, const std::string& file,
     t.pieces.push_back({file, 0, dim0_of(e.shape)});
     out[e.name] = std::move(t);
   }
-}
-
-json parse_json_file(const std::string& path) {
-  std::string text = read_file(path);
-  json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object()) {
-    bad(path, "is not a JSON object; the checkpoint metadata is truncated or corrupt");
-  }
-  return j;
 }
 
 }  // namespace
@@ -115,64 +104,14 @@ Source::Source(const std::string& path) : path_(path) {
   fs::path full = fs::path(path) / kFullMetaFile;
   if (fs::exists(sharded, ec)) {
     type_ = "sharded";
-    meta_ = parse_json_file(sharded.string());
-    const std::string what = sharded.string();
-    if (meta_.value("type", "") != "sharded") bad(what, "\"type\" is not \"sharded\"");
-    auto ts = meta_.find("tensors");
-    if (ts == meta_.end() || !ts->is_object()) bad(what, "has no \"tensors\" object");
-    for (auto it = ts->begin(); it != ts->end(); ++it) {
-      const std::string& key = it.key();
-      const json& v = it.value();
-      std::string where = "tensor '" + key + "'";
-      SourceTensor t;
-      if (!v.is_object() || !v.contains("shape") || !v.contains("dtype") ||
-          !v.contains("pieces") || !v["shape"].is_array() || !v["dtype"].is_string() ||
-          !v["pieces"].is_array()) {
-        bad(what, where + " lacks \"shape\", \"dtype\" or \"pieces\"");
-      }
-      for (const auto& d : v["shape"]) {
-        if (!d.is_number_unsigned()) bad(what, where + " has a bad shape " + v["shape"].dump());
-        t.shape.push_back(d.get<int64_t>());
-      }
-      if (!parse_dtype(v["dtype"].get<std::string>(), &t.dtype)) {
-        bad(what, where + " has unknown dtype " + v["dtype"].dump());
-      }
-      for (const auto& p : v["pieces"]) {
-        if (!p.is_object() || !p.contains("file") || !p["file"].is_string() ||
-            !p.contains("rows") || !p["rows"].is_array() || p["rows"].size() != 2 ||
-            !p["rows"][0].is_number_unsigned() || !p["rows"][1].is_number_unsigned()) {
-          bad(what, where + " has a malformed piece " + p.dump() +
-                        " (expected {\"file\": name, \"rows\": [begin, end]})");
-        }
-        std::string file = p["file"].get<std::string>();
-        if (file.empty() || file.find('/') != std::string::npos || file[0] == '.') {
-          bad(what, where + " names file '" + file + "' outside the checkpoint directory");
-        }
-        t.pieces.push_back({file, p["rows"][0].get<int64_t>(), p["rows"][1].get<int64_t>()});
-      }
-      std::sort(t.pieces.begin(), t.pieces.end(),
-                [](const Piece& a, const Piece& b) { return a.begin < b.begin; });
-      int64_t next = 0;
-      const int64_t dim0 = dim0_of(t.shape);
-      for (const auto& p : t.pieces) {
-        if (p.begin != next || p.end < p.begin || p.end > dim0) {
-          bad(what, where + " (" + std::to_string(dim0) + " rows): piece rows [" +
-                        std::to_string(p.begin) + ", " + std::to_string(p.end) + ") in " +
-                        p.file + " do not continue at row " + std::to_string(next) +
-                        "; the metadata is corrupt");
-        }
-        next = p.end;
-      }
-      if (next != dim0 && !(dim0 == 0 && t.pieces.empty())) {
-        bad(what, where + ": rows [" + std::to_string(next) + ", " + std::to_string(dim0) +
-                      ") are in no file; the checkpoint is incomplete");
-      }
-      tensors_[key] = std::move(t);
-    }
+    meta_ = parse_json_object(read_file(sharded.string()), sharded.string());
+    tensors_ = parse_sharded_tensors(meta_, sharded.string());
+    info_ = parse_checkpoint_meta(meta_, sharded.string());
   } else if (fs::exists(full, ec)) {
     type_ = "full";
-    meta_ = parse_json_file(full.string());
-    if (meta_.value("type", "") != "full") bad(full.string(), "\"type\" is not \"full\"");
+    meta_ = parse_json_object(read_file(full.string()), full.string());
+    info_ = parse_checkpoint_meta(meta_, full.string());
+    if (info_.type != "full") bad(full.string(), "\"type\" is not \"full\"");
     for (const char* f : {kModelFile, kOptimizerFile}) {
       fs::path p = fs::path(path) / f;
       if (std::string(f) == kOptimizerFile && !fs::exists(p, ec)) continue;

@@ -16,6 +16,7 @@
 // overlapping part of every piece: that is resharding.
 #pragma once
 
+#include "ckpt/metadata.h"
 #include "ckpt/safetensors.h"
 #include "fsdp/comm.h"
 
@@ -44,20 +45,6 @@ std::string shape_str(const std::vector<int64_t>& shape);
 std::string shard_file_name(int rank, int world);
 // Shape of a piece of `rows` rows of a tensor of `full` shape.
 std::vector<int64_t> piece_shape(const std::vector<int64_t>& full, int64_t rows);
-int64_t dim0_of(const std::vector<int64_t>& full);  // rows (0-d: 1)
-
-struct Piece {
-  std::string file;  // relative to the checkpoint directory
-  int64_t begin = 0;
-  int64_t end = 0;
-};
-
-struct SourceTensor {
-  std::vector<int64_t> shape;
-  DType dtype = DType::kF32;
-  std::vector<Piece> pieces;  // sorted, disjoint, covering [0, dim0)
-};
-
 // A checkpoint opened for reading: every file header and the piece table validated.
 class Source {
  public:
@@ -67,6 +54,8 @@ class Source {
   const std::string& path() const { return path_; }
   const std::string& type() const { return type_; }  // "full" | "sharded" | "safetensors"
   const json& meta() const { return meta_; }
+  // Its typed, validated fields (type "safetensors": defaults, type left empty).
+  const CheckpointMeta& info() const { return info_; }
   const std::map<std::string, SourceTensor>& tensors() const { return tensors_; }
   const SourceTensor* find(const std::string& key) const;
 
@@ -83,6 +72,7 @@ class Source {
   std::string dir_;
   std::string type_;
   json meta_;
+  CheckpointMeta info_;
   std::map<std::string, SourceTensor> tensors_;
   std::map<std::string, std::unique_ptr<SafetensorsReader>> readers_;
 };
