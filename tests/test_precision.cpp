@@ -32,7 +32,7 @@ fsdp::FSDPOptions full_shard(std::optional<fsdp::MixedPrecisionPolicy> mp) {
   return o;
 }
 
-struct Run {
+struct RunResult {
   std::vector<double> losses;
   std::vector<int64_t> all_gather_bytes;      // per step, world group counters
   std::vector<int64_t> reduce_scatter_bytes;  // per step
@@ -41,7 +41,7 @@ struct Run {
 // Sets up `lm` under `strategy` and trains `steps` steps on this rank's share of the global
 // batches (fully_shard_common.h), counting the bytes the world group moved in each step.
 // `inspect` runs after backward, before the optimizer step (sharded grads present).
-Run train(fsdp::FSDPStrategy& strategy, TinyLM& lm, int steps,
+RunResult train(fsdp::FSDPStrategy& strategy, TinyLM& lm, int steps,
           const std::function<void(torch::optim::Optimizer&)>& inspect = {}) {
   auto world = fsdp::world_group();
   fsdp::LaunchInfo launch;
@@ -54,7 +54,7 @@ Run train(fsdp::FSDPStrategy& strategy, TinyLM& lm, int steps,
   auto opt = lm.configure_optimizers().optimizer;
   strategy.setup_optimizer(*opt);
   const int64_t rows = 12 / world->size();
-  Run run;
+  RunResult run;
   for (int step = 0; step < steps; ++step) {
     fsdp::Batch g = fsdp::testing::global_batch(step, 12);
     fsdp::Batch mb = fsdp::testing::slice(g, world->rank() * rows, rows);
@@ -77,12 +77,12 @@ void bf16_mixed_tracks_fp32(int world_size) {
   fsdp::testing::run_ranks(world_size, "gloo", [](fsdp::ProcessGroup&) {
     TinyLM ref_lm;
     fsdp::FSDPStrategy fp32(full_shard(std::nullopt));
-    Run ref = train(fp32, ref_lm, kSteps);
+    RunResult ref = train(fp32, ref_lm, kSteps);
 
     TinyLM lm;
     fsdp::FSDPStrategy bf16(full_shard(fsdp::bf16_mixed_policy()));
     bool inspected = false;
-    Run got = train(bf16, lm, kSteps, [&](torch::optim::Optimizer&) {
+    RunResult got = train(bf16, lm, kSteps, [&](torch::optim::Optimizer&) {
       if (inspected) return;
       inspected = true;
       // Unsharded parameters (what computes) are bf16 and hold no memory now; the sharded
@@ -130,6 +130,44 @@ void bf16_mixed_tracks_fp32(int world_size) {
 
 TEST(Precision, Bf16MixedFullShardTracksFp32World2) { bf16_mixed_tracks_fp32(2); }
 TEST(Precision, Bf16MixedFullShardTracksFp32World3) { bf16_mixed_tracks_fp32(3); }
+
+// The other sharding strategies under a policy: SHARD_GRAD_OP (params kept unsharded through
+// backward), NO_SHARD (shard group of one rank: S is the whole fp32 parameter, P its bf16 copy,
+// gradients all-reduced in bf16 over the replicate group), and an fp32 reduce_dtype.
+TEST(Precision, Bf16MixedOtherStrategiesTrackFp32World2) {
+  fsdp::testing::run_ranks(2, "gloo", [](fsdp::ProcessGroup&) {
+    constexpr int kShortSteps = 10;
+    TinyLM ref_lm;
+    fsdp::FSDPStrategy fp32(full_shard(std::nullopt));
+    const RunResult ref = train(fp32, ref_lm, kShortSteps);
+    struct Case {
+      const char* name;
+      fsdp::ShardingStrategy ss;
+      std::optional<at::ScalarType> reduce;
+    };
+    for (const Case& c : {Case{"SHARD_GRAD_OP", fsdp::ShardingStrategy::kShardGradOp, {}},
+                          Case{"NO_SHARD", fsdp::ShardingStrategy::kNoShard, {}},
+                          Case{"FULL_SHARD fp32 reduce", fsdp::ShardingStrategy::kFullShard,
+                               at::kFloat}}) {
+      SCOPED_TRACE(c.name);
+      fsdp::MixedPrecisionPolicy mp = fsdp::bf16_mixed_policy();
+      mp.reduce_dtype = c.reduce;
+      fsdp::FSDPOptions o = full_shard(mp);
+      o.sharding_strategy = c.ss;
+      TinyLM lm;
+      fsdp::FSDPStrategy strategy(o);
+      const RunResult got = train(strategy, lm, kShortSteps);
+      for (int s = 0; s < kShortSteps; ++s) {
+        EXPECT_NEAR(got.losses[s], ref.losses[s], kBf16LossTolerance) << "step " << s;
+      }
+      EXPECT_NE(got.losses.back(), ref.losses.back()) << "bf16 must round differently";
+      for (auto* p : strategy.state().all_params()) {
+        EXPECT_EQ(p->unsharded().scalar_type(), at::kBFloat16) << p->fqn();
+        EXPECT_EQ(p->sharded().scalar_type(), at::kFloat) << p->fqn();
+      }
+    }
+  });
+}
 
 // Adam's exp_avg / exp_avg_sq after a bf16-mixed step are fp32 and shaped like the shards.
 TEST(Precision, Bf16MixedOptimizerStateIsFp32World2) {
