@@ -272,11 +272,16 @@ TEST(Precision, Bf16MixedTrainerTracksFp32UnderFsdpAndSingle) {
     const auto want = fp32_losses(strategy);
     auto loader = corpus_loader();
     TinyLM lm;
+    lm.after_build = [](TinyLM& m) { m.register_buffer("running_scale", at::ones({4})); };
     auto o = quiet("bf16-mixed", 10);
     o.strategy = strategy;
     fsdp::Trainer trainer(o);
     trainer.fit(lm, loader);
     for (auto& p : lm.parameters()) EXPECT_EQ(p.scalar_type(), at::kFloat);
+    // FSDP's policy casts buffers (buffer_dtype bf16); autocast leaves them alone.
+    const bool is_fsdp = std::string(strategy) == "fsdp";
+    EXPECT_EQ(lm.named_buffers()["running_scale"].scalar_type(),
+              is_fsdp ? at::kBFloat16 : at::kFloat);
     const auto& got = trainer.results().losses;
     ASSERT_EQ(got.size(), want.size());
     double max_diff = 0;
