@@ -124,6 +124,8 @@ class DeferredInit;
 
 // Per-rank model-state bytes of a configuration (fp32 parameters, fp32 gradients and two fp32
 // Adam moments per trainable element), as FSDPStrategy computes them for the memory budget.
+// Under a MixedPrecisionPolicy the shards stay fp32 and the unsharded units count in
+// param_dtype.
 struct FSDPMemoryEstimate {
   int64_t sharded_param_bytes = 0;    // this rank's padded shards (replicated for NO_SHARD)
   int64_t sharded_grad_bytes = 0;     // trainable shards only
