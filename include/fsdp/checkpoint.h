@@ -9,10 +9,11 @@
 //   full     DIR/model.safetensors      standard safetensors, FQN keys, full shapes
 //            DIR/optimizer.safetensors  "optim.<fqn>.<stat>" (exp_avg, exp_avg_sq, momentum_buffer)
 //            DIR/meta.json              {"type": "full", world_size, strategy, progress, optimizer
-//                                        kind/lrs/steps, RNG state}
+//                                        kind/lrs/steps, every rank's CPU RNG state}
 //            Under FSDP the ranks all-gather one parameter (one optimizer tensor) at a time and
 //            rank 0 streams it to disk: its peak stays within its shards plus the largest tensor.
-//   sharded  DIR/shard-<r>-of-<W>.safetensors  every rank writes its own rows, in parallel
+//   sharded  DIR/shard-<i>-of-<S>.safetensors  the S ranks of the first replica (S = shard group
+//                                        size; HYBRID_SHARD: a node) write their rows in parallel
 //            DIR/metadata.json          {"type": "sharded", ..., "tensors": {key: {shape, dtype,
 //                                        pieces: [{file, rows: [begin, end)}]}}} (unpadded rows)
 //
@@ -54,14 +55,15 @@ struct TrainingProgress {
 };
 
 // Saves module parameters and buffers, optimizer state (Adam/AdamW exp_avg, exp_avg_sq, step,
-// max_exp_avg_sq; SGD momentum), learning rates, progress and the CPU RNG state to `dir`.
+// max_exp_avg_sq; SGD momentum), learning rates, progress and every rank's CPU RNG state to `dir`.
 // Collective over strategy.world(): every rank calls it. optimizer may be null (weights only).
 void save_checkpoint(const std::string& dir, Strategy& strategy, torch::nn::Module& module,
                      torch::optim::Optimizer* optimizer, const TrainingProgress& progress,
                      StateDictType type);
 
 // Loads a checkpoint of either format into a module set up by `strategy` (resharding as
-// needed), the optimizer state when optimizer is non-null, and restores the CPU RNG state.
+// needed), the optimizer state when optimizer is non-null, and restores the CPU RNG state (each
+// rank its own at the world size of the save, rank 0's at another world size).
 // Replays `scheduler_steps` scheduler steps when scheduler is non-null. Collective.
 TrainingProgress load_checkpoint(const std::string& dir, Strategy& strategy,
                                  torch::nn::Module& module, torch::optim::Optimizer* optimizer,
