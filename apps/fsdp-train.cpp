@@ -251,6 +251,13 @@ int dry_run(const Args& a, const ModelSpec& spec_in) {
   int64_t params = 0;
   for (const auto& p : model->parameters()) params += p.numel();
   const int world = a.devices * a.num_nodes;
+  // The presets with a published vocabulary keep it (see fsdp/models.h).
+  int64_t vocab = spec.vocab_size;
+  if (spec.name != "custom") {
+    vocab = fsdp::demos::is_transformer_model(spec.name)
+                ? fsdp::demos::transformer_preset(spec.name, spec.vocab_size).vocab_size
+                : fsdp::demos::gpt_preset(spec.name, spec.vocab_size).vocab_size;
+  }
 
   struct Row {
     std::string name;
@@ -282,7 +289,7 @@ int dry_run(const Args& a, const ModelSpec& spec_in) {
 
   std::cout << "[fsdp-train] dry run: model " << a.model << ", " << with_commas(params)
             << " parameters (" << fsdp::format_bytes(params * 4) << " fp32), vocab "
-            << spec.vocab_size << ", world " << world << " (" << a.devices << " per node), "
+            << vocab << ", world " << world << " (" << a.devices << " per node), "
             << "wrap policy " << a.wrap_policy << "; nothing allocated (meta device)\n";
   std::printf("%-20s %12s %12s %12s %14s %12s\n", "strategy", "params/rank", "grads/rank",
               "Adam state", "buffers/units", "total/rank");
@@ -301,7 +308,7 @@ int dry_run(const Args& a, const ModelSpec& spec_in) {
     nlohmann::json j;
     j["model"] = a.model;
     j["params"] = params;
-    j["vocab_size"] = spec.vocab_size;
+    j["vocab_size"] = vocab;
     j["world_size"] = world;
     j["peak_rss_bytes"] = rss;
     for (const auto& r : rows) {

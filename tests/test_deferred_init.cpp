@@ -165,6 +165,28 @@ TEST(DeferredInit, PolicyUnitsRestoredWhenTheModelWrapsManually) {
   });
 }
 
+TEST(DeferredInit, ModuleBuiltAndDroppedInConfigureModelIsRestoredSafely) {
+  // Layers of a throwaway model are sharded as they are built too; setup gathers them back
+  // (they are not under the root) while they are kept alive, and the real model is unaffected.
+  fsdp::testing::run_ranks(2, "gloo", [](fsdp::ProcessGroup&) {
+    const auto reference = eager_params("gpt2-tiny");
+    struct DropLM : InitLM {
+      void configure_model() override {
+        { auto scratch = fsdp::demos::make_model("gpt2-tiny", kVocab, 0.0); }
+        InitLM::configure_model();
+      }
+    } lm;
+    lm.model_name = "gpt2-tiny";
+    auto strategy = fsdp_strategy("gpt2-tiny", fsdp::ShardingStrategy::kFullShard, true);
+    fsdp::configure_model_with(*strategy, lm);
+    strategy->setup_module(lm);
+    EXPECT_EQ(strategy->num_deferred_units(), 2);
+    for (const auto& [name, value] : strategy->gather_full_params()) {
+      EXPECT_TRUE(at::equal(value, reference.at(name))) << name;
+    }
+  });
+}
+
 // Setup peak for a mid-size custom Transformer (E=256, F=1024, 4+4 layers, vocab 1024: ~7.5M
 // parameters, 3.1-4.2 MB per layer, 2 MB of root parameters) at world 2:
 //   deferred: peak tensor bytes <= this rank's sharded state + the largest unit (full) + 64 KiB;

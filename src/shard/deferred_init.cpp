@@ -110,6 +110,11 @@ void FsdpState::shard_deferred_unit(fsdp::nn::Module& module) {
       };
   visit(module, "");
   unit->init();  // shards every parameter: S created, P's storage freed, S registered
+  try {
+    deferred_keep_alive_.push_back(module.shared_from_this());
+  } catch (const std::bad_weak_ptr&) {
+    // Not owned by a shared_ptr (e.g. a member object): its owner keeps it alive.
+  }
   preinitialized_.insert(unit.get());
   deferred_.push_back(std::move(unit));
 }

@@ -39,6 +39,7 @@ void FsdpState::build(torch::nn::Module& root, const std::vector<UnitSpec>& spec
                               : new_unit(spec.fqn, spec.module, config_.reshard_after_forward));
     unit_of[spec.module] = units_.back().get();
   }
+  deferred_keep_alive_.clear();  // adopted units live in the model from here on
 
   struct Seen {
     FsdpParam* param;

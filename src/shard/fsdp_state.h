@@ -97,6 +97,9 @@ class FsdpState {
   std::vector<std::unique_ptr<FsdpParamGroup>> deferred_;
   std::set<std::pair<const torch::nn::Module*, std::string>> deferred_taken_;
   std::set<const FsdpParamGroup*> preinitialized_;
+  // Deferred units' modules stay alive until build() (a module built in configure_model and
+  // dropped again is restored, not left dangling).
+  std::vector<std::shared_ptr<torch::nn::Module>> deferred_keep_alive_;
   // Cleared in the destructor; hooks on the modules check it (the model may outlive us).
   std::shared_ptr<bool> alive_;
 
