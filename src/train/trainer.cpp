@@ -209,6 +209,10 @@ void Trainer::setup_model(LightningModule& module, bool for_training) {
   const std::optional<at::ScalarType> true_dtype = true_precision_dtype(precision);
   {
     DefaultDtypeGuard default_dtype(true_dtype);
+    // Resuming (fit with ckpt_path): the checkpoint overwrites every parameter and restores the
+    // RNG state, so random init is skipped (Lightning's init_module(empty_init=True)).
+    // See Note [Empty init] in fsdp/init.h.
+    auto empty_init = fsdp::init_module(!resume_path_.empty());
     configure_model_with(*strategy_, module);
   }
   if (true_dtype) {  // parameters created with an explicit dtype: cast before sharding
