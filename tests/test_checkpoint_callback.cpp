@@ -1,8 +1,8 @@
 // ModelCheckpoint through the Trainer, at world 2 (gloo, mpi) and 3 (mpi): top-k keeps exactly
 // the best k by a monitored metric (min and max), every_n_epochs, every_n_train_steps with
 // save_top_k = 1, save_last, a monitored metric that differs between ranks (rank 0's decides,
-// so the collective saves stay matched), and resuming from best_model_path gives the straight
-// run's remaining losses bitwise.
+// so the collective saves stay matched), resuming from best_model_path gives the straight run's
+// remaining losses bitwise, and the top-k list survives a resume (it is saved in the checkpoint).
 //
 // Like test_trainer_ranks.cpp, each test re-runs this binary as a program whose Trainer spawns
 // the ranks; the epoch metric "score" follows a fixed script per epoch, so which entries must
@@ -141,6 +141,35 @@ void top_k_body(const std::string& dir, const std::string& backend) {
     for (size_t i = 0; i < got.size(); ++i) {
       EXPECT_EQ(got[i], straight[8 + i]) << "step " << 9 + i << " after resuming from best";
     }
+    expect_all_ranks_passed(trainer);
+  }
+  {
+    // The top-k list is part of the checkpoint: 4 epochs, then a fresh callback resuming from
+    // `last` for epochs 4 and 5 ends with the same entries as the straight 6 epochs (without the
+    // restored list it would keep epochs 1, 3, 4 and 5).
+    fsdp::ModelCheckpointOptions mc2 = mc;
+    mc2.dirpath = dir + "/topk-resumed";
+    auto first_cb = std::make_shared<fsdp::ModelCheckpoint>(mc2);
+    fsdp::TrainerOptions a = trainer_options(2, backend);
+    a.max_epochs = 4;
+    a.callbacks = {first_cb};
+    {
+      fsdp::Trainer trainer(a);
+      ScoreLM model;
+      trainer.fit(model, data.train);
+    }
+    auto second_cb = std::make_shared<fsdp::ModelCheckpoint>(mc2);
+    fsdp::TrainerOptions b = trainer_options(2, backend);
+    b.callbacks = {second_cb};
+    fsdp::Trainer trainer(b);
+    ScoreLM model;
+    trainer.fit(model, data.train, mc2.dirpath + "/last");
+    trainer.world()->barrier();
+    EXPECT_EQ(entries(mc2.dirpath),
+              (std::set<std::string>{"epoch=3-score=1.0", "epoch=4-score=2.0",
+                                     "last-epoch=5-score=6.0", "last"}));
+    EXPECT_EQ(second_cb->best_model_path(), mc2.dirpath + "/epoch=3-score=1.0");
+    EXPECT_EQ(second_cb->best_k_models().size(), 2u);
     expect_all_ranks_passed(trainer);
   }
 }

@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 namespace fsdp {
@@ -37,6 +38,14 @@ class Callback {
   virtual void on_train_epoch_end(Trainer& trainer, LightningModule& module) {}
   // Once per fit(), after the last step.
   virtual void on_train_end(Trainer& trainer, LightningModule& module) {}
+
+  // Callback state saved in checkpoints (Lightning's state_key / state_dict / load_state_dict):
+  // a callback with a non-empty state_key has state_dict() (a JSON object as text) stored under
+  // that key by Trainer::save_checkpoint, and given back to load_state_dict when a fit resumes
+  // from that checkpoint (before on_fit_start), if a callback with the same key is present.
+  virtual std::string state_key() const { return ""; }
+  virtual std::string state_dict() const { return "{}"; }
+  virtual void load_state_dict(const std::string& state) {}
 };
 using CallbackPtr = std::shared_ptr<Callback>;
 

@@ -52,6 +52,8 @@ struct TrainingProgress {
   int64_t epoch = 0;           // epoch of the next batch
   int64_t batch_in_epoch = 0;  // index (in that epoch) of the next micro-batch
   int64_t scheduler_steps = 0; // LR scheduler step() calls so far
+  // Callback states (JSON object text: state_key -> state; "" = none). See fsdp/callback.h.
+  std::string callback_states;
 };
 
 // Saves module parameters and buffers, optimizer state (Adam/AdamW exp_avg, exp_avg_sq, step,
@@ -154,6 +156,11 @@ class ModelCheckpoint : public Callback {
   void on_train_batch_end(Trainer& trainer, LightningModule& module, int64_t batch_idx) override;
   void on_validation_end(Trainer& trainer, LightningModule& module) override;
   void on_train_epoch_end(Trainer& trainer, LightningModule& module) override;
+  // Saved with each checkpoint: the top-k list, best/last paths. Restored when dirpath is the
+  // same (entries that no longer exist are dropped), so a resumed fit keeps the same top k.
+  std::string state_key() const override;
+  std::string state_dict() const override;
+  void load_state_dict(const std::string& state) override;
 
   // Path of the best entry by the monitored metric ("" before any; the newest save without a
   // monitor), and its score.

@@ -382,6 +382,12 @@ void save_checkpoint(const std::string& dir, Strategy& strategy, torch::nn::Modu
                  {"scheduler_steps", progress.scheduler_steps}}},
                {"rng_cpu", ""}};
   if (optimizer) meta["optimizer"] = optim_meta;
+  if (!progress.callback_states.empty()) {
+    json cbs = json::parse(progress.callback_states, nullptr, /*allow_exceptions=*/false);
+    TORCH_CHECK(cbs.is_object(), "[checkpoint] callback states are not a JSON object: ",
+                progress.callback_states);
+    meta["callbacks"] = cbs;
+  }
   {
     // See Note [Per-rank RNG state].
     at::Tensor mine = cpu_rng_state();
@@ -514,6 +520,7 @@ TrainingProgress load_checkpoint(const std::string& dir, Strategy& strategy,
   progress.epoch = info.epoch;
   progress.batch_in_epoch = info.batch_in_epoch;
   progress.scheduler_steps = info.scheduler_steps;
+  progress.callback_states = info.callback_states;
   if (scheduler) {
     for (int64_t i = 0; i < progress.scheduler_steps; ++i) scheduler->step();
   }

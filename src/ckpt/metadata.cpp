@@ -185,6 +185,10 @@ CheckpointMeta parse_checkpoint_meta(const json& meta, const std::string& what) 
       m.optimizer_steps[s.key()] = v;
     }
   }
+  if (auto it = meta.find("callbacks"); it != meta.end()) {
+    if (!it->is_object()) bad(what, "\"callbacks\" is not an object");
+    m.callback_states = it->dump();
+  }
   std::string rng;
   str(meta, "rng_cpu", &rng, false);
   m.rng_cpu = from_hex(rng, what + " \"rng_cpu\"");

@@ -50,6 +50,7 @@ struct CheckpointMeta {
   std::map<std::string, int64_t> optimizer_steps; // FQN -> Adam step
   std::vector<uint8_t> rng_cpu;                   // rank 0's CPU generator state (may be empty)
   std::vector<std::vector<uint8_t>> rng_cpu_per_rank;  // every rank's, when saved
+  std::string callback_states;                    // "callbacks" object as JSON text ("" = none)
 };
 
 // Checks every field above that is present (types, ranges, hex strings, one RNG state per

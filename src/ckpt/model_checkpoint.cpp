@@ -6,6 +6,7 @@
 #include "ckpt/safetensors.h"
 
 #include <c10/util/Exception.h>
+#include <nlohmann/json.hpp>
 
 #include <cmath>
 #include <cstdio>
@@ -251,13 +252,15 @@ void ModelCheckpoint::save_now(Trainer& trainer) {
   if (have) metrics_for_name[o.monitor] = current;
   const std::string name = format_checkpoint_name(trainer.current_epoch(), step,
                                                   metrics_for_name);
-  std::string saved;                 // entry written at this step
+  // Decide first and update the state, so that the checkpoint written below holds the state
+  // that includes itself (it is what a fit resuming from it continues with).
+  std::string saved;                 // top-k entry written at this step
+  std::string own_last;              // separate `last` entry written at this step
   std::vector<std::string> evicted;  // deleted after `last` moved
 
   if (o.save_top_k != 0) {
     if (o.monitor.empty()) {
       saved = unique_path(trainer, name);
-      trainer.save_checkpoint(saved);
       if (o.save_top_k == 1) {
         evicted = saved_no_monitor_;
         saved_no_monitor_ = {saved};
@@ -270,7 +273,6 @@ void ModelCheckpoint::save_now(Trainer& trainer) {
                         static_cast<int64_t>(best_k_models_.size()) < o.save_top_k;
       if (room || better(current, best_k_models_.at(kth_best_model_path_))) {
         saved = unique_path(trainer, name);
-        trainer.save_checkpoint(saved);
         best_k_models_[saved] = current;
         if (o.save_top_k > 0 && static_cast<int64_t>(best_k_models_.size()) > o.save_top_k) {
           evicted.push_back(kth_best_model_path_);
@@ -280,25 +282,75 @@ void ModelCheckpoint::save_now(Trainer& trainer) {
       }
     }
   }
-
   if (o.save_last) {
-    std::string target = saved;
-    std::string old_own = own_last_entry_;
-    if (target.empty()) {
-      target = unique_path(trainer, "last-" + name);
-      trainer.save_checkpoint(target);
-      own_last_entry_ = target;
+    const std::string old_own = own_last_entry_;
+    if (saved.empty()) {
+      own_last = unique_path(trainer, "last-" + name);
+      own_last_entry_ = own_last;
     } else {
       own_last_entry_.clear();
     }
-    if (zero) point_symlink(o.dirpath, "last", fs::path(target).filename().string());
-    if (!old_own.empty() && old_own != target) evicted.push_back(old_own);
+    if (!old_own.empty()) evicted.push_back(old_own);
   }
-  if (!saved.empty() || o.save_last) {
-    last_model_path_ = saved.empty() ? own_last_entry_ : saved;
+  if (!saved.empty() || !own_last.empty()) last_model_path_ = saved.empty() ? own_last : saved;
+
+  if (!saved.empty()) trainer.save_checkpoint(saved);
+  if (!own_last.empty()) trainer.save_checkpoint(own_last);
+  if (zero && o.save_last && !last_model_path_.empty() && (!saved.empty() || !own_last.empty())) {
+    point_symlink(o.dirpath, "last", fs::path(last_model_path_).filename().string());
   }
   if (zero) {
     for (const auto& path : evicted) delete_entry(path);
+  }
+}
+
+// Lightning's key: the options that define what the callback tracks.
+std::string ModelCheckpoint::state_key() const {
+  return "ModelCheckpoint{monitor=" + options_.monitor + ", mode=" + options_.mode +
+         ", every_n_train_steps=" + std::to_string(options_.every_n_train_steps) +
+         ", every_n_epochs=" + std::to_string(every_n_epochs_) + "}";
+}
+
+std::string ModelCheckpoint::state_dict() const {
+  nlohmann::json best_k = nlohmann::json::object();
+  for (const auto& [path, score] : best_k_models_) best_k[path] = score;
+  nlohmann::json st = {{"dirpath", fs::path(options_.dirpath).lexically_normal().string()},
+                       {"best_model_path", best_model_path_},
+                       {"last_model_path", last_model_path_},
+                       {"own_last_entry", own_last_entry_},
+                       {"saved_no_monitor", saved_no_monitor_},
+                       {"best_k_models", best_k}};
+  return st.dump();
+}
+
+void ModelCheckpoint::load_state_dict(const std::string& state) {
+  nlohmann::json st = nlohmann::json::parse(state, nullptr, /*allow_exceptions=*/false);
+  if (!st.is_object()) return;
+  auto str = [&](const char* key) {
+    auto it = st.find(key);
+    return it != st.end() && it->is_string() ? it->get<std::string>() : std::string();
+  };
+  // Another dirpath: the entries are not ours to manage (Lightning does the same).
+  if (str("dirpath") != fs::path(options_.dirpath).lexically_normal().string()) return;
+  std::error_code ec;
+  auto present = [&](const std::string& p) { return !p.empty() && fs::exists(p, ec); };
+  best_k_models_.clear();
+  if (auto it = st.find("best_k_models"); it != st.end() && it->is_object()) {
+    for (auto e = it->begin(); e != it->end(); ++e) {
+      if (e.value().is_number() && present(e.key())) best_k_models_[e.key()] = e.value();
+    }
+  }
+  saved_no_monitor_.clear();
+  if (auto it = st.find("saved_no_monitor"); it != st.end() && it->is_array()) {
+    for (const auto& p : *it) {
+      if (p.is_string() && present(p.get<std::string>())) saved_no_monitor_.push_back(p);
+    }
+  }
+  own_last_entry_ = present(str("own_last_entry")) ? str("own_last_entry") : "";
+  last_model_path_ = present(str("last_model_path")) ? str("last_model_path") : "";
+  update_best();
+  if (options_.monitor.empty() && present(str("best_model_path"))) {
+    best_model_path_ = str("best_model_path");
   }
 }
 

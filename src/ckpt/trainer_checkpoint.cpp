@@ -8,6 +8,7 @@
 #include "ckpt/safetensors.h"
 
 #include <c10/util/Exception.h>
+#include <nlohmann/json.hpp>
 
 #include <cstdio>
 #include <filesystem>
@@ -51,6 +52,16 @@ void Trainer::save_checkpoint(const std::string& path) {
   progress.epoch = next_epoch_;
   progress.batch_in_epoch = next_batch_;
   progress.scheduler_steps = fit_opt_.scheduler ? global_step_ : 0;
+  nlohmann::json states = nlohmann::json::object();
+  for (const auto& cb : fit_callbacks_) {
+    const std::string key = cb->state_key();
+    if (key.empty()) continue;
+    nlohmann::json st = nlohmann::json::parse(cb->state_dict(), nullptr, false);
+    TORCH_CHECK(st.is_object(), "[Trainer.save_checkpoint] callback '", key, "' returned a "
+                "state_dict() that is not a JSON object: ", cb->state_dict());
+    states[key] = st;
+  }
+  if (!states.empty()) progress.callback_states = states.dump();
   fsdp::save_checkpoint(path, *strategy_, *fit_module_, fit_opt_.optimizer.get(), progress,
                         parse_state_dict_type(options_.state_dict_type));
 }
@@ -61,6 +72,16 @@ void Trainer::resume_from_checkpoint() {
   global_step_ = p.global_step;
   next_epoch_ = p.epoch;
   next_batch_ = p.batch_in_epoch;
+  // Callback states (fit_callbacks_ is set up before resuming).
+  if (!p.callback_states.empty()) {
+    nlohmann::json states = nlohmann::json::parse(p.callback_states, nullptr, false);
+    if (states.is_object()) {
+      for (const auto& cb : fit_callbacks_) {
+        auto it = states.find(cb->state_key());
+        if (!cb->state_key().empty() && it != states.end()) cb->load_state_dict(it->dump());
+      }
+    }
+  }
   print("[fsdp] resumed from " + resume_path_ + " at step " + std::to_string(global_step_) +
         ", epoch " + std::to_string(next_epoch_) + ", batch " + std::to_string(next_batch_));
 }

@@ -272,9 +272,9 @@ void Trainer::fit_impl(LightningModule& module, DataLoader& train_loader,
   fit_opt_ = opt;
   next_epoch_ = 0;
   next_batch_ = 0;
-  if (!resume_path_.empty()) resume_from_checkpoint();
   callback_metrics_.clear();
   setup_callbacks();  // options_.callbacks + the checkpoint_dir sugar (trainer_checkpoint.cpp)
+  if (!resume_path_.empty()) resume_from_checkpoint();  // also restores callback states
   // Setup is done: remember its peaks and measure training on its own (see FitResults).
   const int64_t setup_peak_alloc = memory_stats().peak_bytes;
   const int64_t setup_peak_rss = peak_rss_bytes();
