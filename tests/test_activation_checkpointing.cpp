@@ -9,6 +9,7 @@
 #include "fsdp/memory.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/autocast_mode.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -100,6 +101,32 @@ TEST(ActivationCheckpointing, RecomputeUsesTheSavedRngEvenWhenTheStreamMovedOn) 
   lp.backward();
   lc.backward();
   EXPECT_TRUE(at::equal(before_backward, cpu_rng_state())) << "backward moved the RNG stream";
+  EXPECT_LE(grad_diff(*ckpt, *plain).first, 1e-6);
+}
+
+// bf16-mixed outside FSDP is CPU autocast around forward; backward runs outside it. The
+// recompute must run under the autocast state of the original forward.
+TEST(ActivationCheckpointing, RecomputeRunsUnderTheForwardsAutocastState) {
+  auto plain = tiny_model(0.1);
+  auto ckpt = tiny_model(0.1);
+  fsdp::apply_activation_checkpointing(*ckpt, fsdp::demos::layer_types("transformer-tiny"));
+  fsdp::Batch b = fsdp::testing::global_batch(2, 4);
+  auto forward_autocast = [&](fsdp::nn::Module& m) {
+    at::autocast::set_cpu_enabled(true);
+    at::autocast::set_autocast_cpu_dtype(at::kBFloat16);
+    at::autocast::increment_nesting();
+    torch::manual_seed(21);
+    at::Tensor loss = at::nll_loss(m(b.input, b.target), b.target.reshape(-1));
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    at::autocast::set_cpu_enabled(false);
+    return loss;
+  };
+  at::Tensor lp = forward_autocast(*plain);
+  at::Tensor lc = forward_autocast(*ckpt);
+  EXPECT_EQ(lp.item<double>(), lc.item<double>());
+  lp.backward();
+  lc.backward();
+  EXPECT_FALSE(at::autocast::is_cpu_enabled()) << "the recompute left autocast on";
   EXPECT_LE(grad_diff(*ckpt, *plain).first, 1e-6);
 }
 

@@ -1,6 +1,7 @@
 #include "fsdp/activation_checkpointing.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/core/Generator.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -51,6 +52,33 @@ class RngStateSwap {
   at::Tensor current_;
 };
 
+// CPU autocast (bf16-mixed outside FSDP) as it was when the block ran forward, for the recompute:
+// backward runs outside the autocast scope, and a recompute in fp32 would not reproduce the bf16
+// forward. Nesting is counted like an autocast scope so cached weight casts are dropped after.
+class AutocastSwap {
+ public:
+  AutocastSwap(bool enabled, at::ScalarType dtype)
+      : enabled_(enabled),
+        prev_enabled_(at::autocast::is_cpu_enabled()),
+        prev_dtype_(at::autocast::get_autocast_cpu_dtype()) {
+    at::autocast::set_cpu_enabled(enabled);
+    at::autocast::set_autocast_cpu_dtype(dtype);
+    if (enabled_) at::autocast::increment_nesting();
+  }
+  ~AutocastSwap() {
+    if (enabled_ && at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    at::autocast::set_cpu_enabled(prev_enabled_);
+    at::autocast::set_autocast_cpu_dtype(prev_dtype_);
+  }
+  AutocastSwap(const AutocastSwap&) = delete;
+  AutocastSwap& operator=(const AutocastSwap&) = delete;
+
+ private:
+  bool enabled_;
+  bool prev_enabled_;
+  at::ScalarType prev_dtype_;
+};
+
 // Keeps the module alive while the graph that recomputes it exists.
 struct ModuleRef : torch::CustomClassHolder {
   std::shared_ptr<fsdp::nn::Module> owned;  // null when the module is not owned by a shared_ptr
@@ -61,11 +89,13 @@ struct ModuleRef : torch::CustomClassHolder {
 // --------------------------
 // forward   runs module.forward(inputs) with grad disabled (Function::apply does that), so no
 //           activation of the block is saved; saves the inputs (save_for_backward) and the
-//           default CPU generator's state taken just before the block ran.
+//           default CPU generator's state taken just before the block ran, and the CPU
+//           autocast state (bf16-mixed under DDP/single).
 // backward  detaches the saved inputs (leaves that require grad where the originals did), swaps
-//           the saved RNG state in, re-runs module.forward with grad enabled (same dropout
-//           masks), swaps the current RNG state back, then back-propagates the incoming
-//           gradient through the recomputed graph with torch::autograd::backward. That nested
+//           the saved RNG state (and autocast state) in, re-runs module.forward with grad
+//           enabled (same dropout masks, same dtypes), swaps the current state back, then
+//           back-propagates the incoming gradient through the recomputed graph with
+//           torch::autograd::backward. That nested
 //           backward accumulates into every leaf it reaches: the detached inputs (whose .grad
 //           is returned as this function's input gradients) and the block's parameters (their
 //           .grad, as without checkpointing; hooks on their AccumulateGrad nodes run there).
@@ -91,6 +121,9 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     }
     ctx->saved_data["module"] = std::move(module_ref);
     ctx->saved_data["rng_state"] = get_cpu_rng_state();
+    ctx->saved_data["autocast"] = at::autocast::is_cpu_enabled();
+    ctx->saved_data["autocast_dtype"] =
+        static_cast<int64_t>(at::autocast::get_autocast_cpu_dtype());
     ctx->saved_data["slots"] = slots;
     ctx->saved_data["n"] = n;
     ctx->save_for_backward(to_save);
@@ -126,6 +159,8 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     at::Tensor output;
     {
       RngStateSwap rng(rng_state);
+      AutocastSwap autocast(ctx->saved_data["autocast"].toBool(),
+                            static_cast<at::ScalarType>(ctx->saved_data["autocast_dtype"].toInt()));
       RecomputeScope scope;
       at::AutoGradMode grad(true);
       output = m->forward(detached);
