@@ -48,6 +48,15 @@ struct ScoreLM : fsdp::LightningModule {
     log("rank_score", trainer()->global_rank() == 0 ? s : -s, epoch_local);
     return loss;
   }
+  // val_score after global step s (validation runs after every training batch in the
+  // mid-epoch test).
+  at::Tensor validation_step(const fsdp::Batch&, int64_t) override {
+    static const std::vector<double> kValScript = {0, 9, 4, 8, 1, 3, 7};
+    fsdp::LogOptions synced;
+    synced.sync_dist = true;
+    log("val_score", kValScript.at(trainer()->global_step()), synced);
+    return {};
+  }
   fsdp::OptimizerConfig configure_optimizers() override {
     return {std::make_shared<torch::optim::Adam>(parameters(), torch::optim::AdamOptions(0.01)),
             nullptr};
@@ -220,6 +229,36 @@ void periods_body(const std::string& dir, const std::string& backend) {
   expect_all_ranks_passed(trainer);
 }
 
+// world 2: validation inside the epoch (after every batch) saves on each validation end; top-2
+// by val_score (max) keeps steps 1 (9) and 3 (8), which are not epoch ends (saving only at
+// epoch ends, steps 2, 4, 6, would keep 6 and 2).
+void mid_epoch_val_body(const std::string& dir, const std::string& backend) {
+  Data data;
+  fsdp::DataLoader val{data.corpus, 2, fsdp::DistributedSampler(data.corpus->size(), 1, 0, false, 3),
+                       true};
+  fsdp::ModelCheckpointOptions mc;
+  mc.dirpath = dir + "/midval";
+  mc.filename = "{step}-{val_score:.0f}";
+  mc.monitor = "val_score";
+  mc.mode = "max";
+  mc.save_top_k = 2;
+  auto cb = std::make_shared<fsdp::ModelCheckpoint>(mc);
+  fsdp::TrainerOptions o = trainer_options(2, backend);
+  o.max_epochs = 3;
+  o.val_check_interval = 1;
+  o.limit_val_batches = 1;
+  o.callbacks = {cb};
+  fsdp::Trainer trainer(o);
+  ScoreLM model;
+  trainer.fit(model, data.train, val);
+  trainer.world()->barrier();
+  EXPECT_EQ(entries(mc.dirpath), (std::set<std::string>{"step=1-val_score=9",
+                                                         "step=3-val_score=8"}));
+  EXPECT_EQ(cb->best_model_path(), mc.dirpath + "/step=1-val_score=9");
+  EXPECT_EQ(saved_step(cb->kth_best_model_path()), 3);
+  expect_all_ranks_passed(trainer);
+}
+
 // Runs `test` (this binary, one test) as a program with the env set; the Trainer launches the
 // ranks from there.
 void run_outer(const std::string& test, const std::string& backend) {
@@ -261,6 +300,12 @@ TEST(ModelCheckpoint, RankLocalMonitorEveryNEpochsEveryNStepsMpiWorld3) {
   std::string dir, backend;
   if (inner(&dir, &backend)) return periods_body(dir, backend);
   run_outer("RankLocalMonitorEveryNEpochsEveryNStepsMpiWorld3", "mpi");
+}
+
+TEST(ModelCheckpoint, MidEpochValidationTopKMaxGlooWorld2) {
+  std::string dir, backend;
+  if (inner(&dir, &backend)) return mid_epoch_val_body(dir, backend);
+  run_outer("MidEpochValidationTopKMaxGlooWorld2", "gloo");
 }
 
 TEST(ModelCheckpoint, InvalidOptionsAreClearErrors) {
