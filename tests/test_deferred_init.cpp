@@ -187,6 +187,36 @@ TEST(DeferredInit, ModuleBuiltAndDroppedInConfigureModelIsRestoredSafely) {
   });
 }
 
+TEST(DeferredInit, FreezingAShardedLayerAfterItWasBuiltIsHonoured) {
+  // configure_model freezes encoder layer 0 after the model (and so that layer's unit) was
+  // built: setup rebuilds that unit with frozen parameters; the other units stay deferred.
+  fsdp::testing::run_ranks(2, "gloo", [](fsdp::ProcessGroup&) {
+    const auto reference = eager_params("transformer-tiny");
+    struct FreezeLM : InitLM {
+      void configure_model() override {
+        InitLM::configure_model();
+        auto* tf = dynamic_cast<fsdp::demos::Transformer*>(model.get());
+        for (auto& p : tf->encoder_layers[0]->parameters()) p.set_requires_grad(false);
+      }
+    } lm;
+    auto strategy = fsdp_strategy("transformer-tiny", fsdp::ShardingStrategy::kFullShard, true);
+    fsdp::configure_model_with(*strategy, lm);
+    strategy->setup_module(lm);
+    EXPECT_EQ(strategy->num_deferred_units(), 3);
+    int frozen = 0;
+    for (auto* p : strategy->state().all_params()) {
+      const bool in_layer0 = p->fqn().find("encoder.layers.0.") != std::string::npos;
+      EXPECT_EQ(p->requires_grad(), !in_layer0) << p->fqn();
+      EXPECT_EQ(p->sharded().requires_grad(), !in_layer0) << p->fqn();
+      frozen += in_layer0;
+    }
+    EXPECT_GT(frozen, 0);
+    for (const auto& [name, value] : strategy->gather_full_params()) {
+      EXPECT_TRUE(at::equal(value, reference.at(name))) << name;
+    }
+  });
+}
+
 // Setup peak for a mid-size custom Transformer (E=256, F=1024, 4+4 layers, vocab 1024: ~7.5M
 // parameters, 3.1-4.2 MB per layer, 2 MB of root parameters) at world 2:
 //   deferred: peak tensor bytes <= this rank's sharded state + the largest unit (full) + 64 KiB;

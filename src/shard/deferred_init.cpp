@@ -47,8 +47,9 @@ namespace detail {
 // predicate wrap policies (they decide on whole-model parameter counts), and models that call
 // neither fsdp::nn::built nor fsdp::wrap. If the selection at setup does not keep a deferred
 // unit (e.g. the model called fsdp::wrap after the policy had sharded its layers, or the
-// mixed-precision policy changed after configure_model), that unit is all-gathered back into
-// full parameters first, so the result is always the eager one.
+// mixed-precision policy changed after configure_model, or a parameter of it was frozen or
+// unfrozen afterwards through module.parameters()), that unit is all-gathered back into full
+// parameters first, so the result is always the eager one (at the cost of one gather).
 //
 // Contract for models: after built(m), m's parameters as seen through m.parameters() are
 // shards; set requires_grad and values before calling built(), and do not re-initialize a
@@ -146,7 +147,13 @@ void FsdpState::restore_unselected_deferred(const std::vector<UnitSpec>& specs) 
   const int w = shard_group_->size();
   for (auto it = deferred_.begin(); it != deferred_.end();) {
     FsdpParamGroup& unit = **it;
-    if (selected.count(unit.module())) {
+    // A parameter frozen (or unfrozen) after its unit was sharded changed only the shard's
+    // flag: the unit is rebuilt eagerly with the new flag rather than trained with the old one.
+    bool requires_grad_changed = false;
+    for (auto& p : unit.params()) {
+      requires_grad_changed |= p->sharded().requires_grad() != p->requires_grad();
+    }
+    if (selected.count(unit.module()) && !requires_grad_changed) {
       ++it;
       continue;
     }
@@ -162,6 +169,7 @@ void FsdpState::restore_unselected_deferred(const std::vector<UnitSpec>& specs) 
                               .clone();
         // Same TensorImpl (the layer's member), full values, the sharded dtype.
         p->unsharded().set_data(full);
+        p->unsharded().set_requires_grad(s.requires_grad());
       }
       for (const auto& reg : p->registrations()) {
         registered_parameters(*reg.module)[reg.name] = p->unsharded();
