@@ -358,6 +358,11 @@ int run(const Args& a, const ModelSpec& spec_in) {
   t.seed = static_cast<int64_t>(a.seed);
   t.process_group_backend = a.backend;
   t.state_dict_type = a.state_dict_type;
+  TORCH_CHECK(!a.checkpoint_dir.empty() ||
+                  (a.save_every_n_steps == 0 && a.every_n_epochs == 0 && a.monitor.empty() &&
+                   a.save_top_k == -1),
+              "[fsdp-train] --save-every-n-steps, --every-n-epochs, --monitor and --save-top-k "
+              "need --checkpoint-dir DIR (where the checkpoints go)");
   if (!a.checkpoint_dir.empty() &&
       (a.save_every_n_steps > 0 || a.every_n_epochs > 0 || !a.monitor.empty())) {
     // A ModelCheckpoint: DIR/step-<k>[-<monitor>=<value>] entries, DIR/last -> the newest.

@@ -141,6 +141,12 @@ TEST(CheckpointCli, SaveTopKByMonitorAndEveryNEpochs) {
     names.insert(e.path().filename().string());
   }
   EXPECT_EQ(names, (std::set<std::string>{"step-4", "step-8", "last"}));
+
+  // The checkpoint flags without a directory are an error, not silently ignored.
+  auto r = run_process(plus(train_argv(dir2, 1, 2, 1, "single"), {"--monitor", "val_loss"}), {},
+                       60);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("need --checkpoint-dir"), std::string::npos) << r.err;
 }
 
 // A rank that dies in the middle of writing step 4 leaves step-2 and `last` loadable.
