@@ -113,6 +113,52 @@ TEST(DeferredInit, GatheredParametersEqualSingleProcessAtWorlds2And3) {
   }
 }
 
+TEST(DeferredInit, SizeAndPredicatePoliciesPickTheEagerUnits) {
+  // The size-based and predicate policies decide inside each built layer; setup keeps those
+  // choices (it would otherwise count shards). Same units and bitwise the same values as eager.
+  fsdp::testing::run_ranks(2, "gloo", [](fsdp::ProcessGroup&) {
+    const std::vector<std::pair<std::string, fsdp::AutoWrapPolicy>> cases = {
+        {"transformer-tiny", fsdp::AutoWrapPolicy::size_based(4000)},
+        {"transformer-tiny", fsdp::AutoWrapPolicy::size_based(9000)},
+        {"gpt2-tiny", fsdp::AutoWrapPolicy::of_predicate([](const torch::nn::Module& m, int64_t) {
+           return dynamic_cast<const fsdp::demos::GPTBlock*>(&m) != nullptr;
+         })}};
+    for (const auto& [model_name, policy] : cases) {
+      const auto reference = eager_params(model_name);
+      std::vector<std::string> names[2];
+      for (int deferred = 0; deferred < 2; ++deferred) {
+        InitLM lm;
+        lm.model_name = model_name;
+        auto strategy = fsdp_strategy(model_name, fsdp::ShardingStrategy::kFullShard,
+                                      deferred == 1);
+        fsdp::FSDPOptions o = strategy->options();
+        o.auto_wrap_policy = policy;
+        auto s = std::make_shared<fsdp::FSDPStrategy>(o);
+        s->connect(fsdp::world_group(), strategy->launch_info());
+        fsdp::configure_model_with(*s, lm);
+        s->setup_module(lm);
+        for (auto& unit : s->state().units()) names[deferred].push_back(unit->name());
+        if (deferred) {
+          // Every unit inside the layers is deferred; only modules above them (e.g. the whole
+          // model, chosen for its leftover embedding/output elements) are sharded in setup.
+          int inside_layers = 0;
+          for (const auto& n : names[1]) inside_layers += n.find("layers.") != std::string::npos ||
+                                                          n.find(".h.") != std::string::npos;
+          EXPECT_EQ(s->num_deferred_units(), inside_layers) << model_name;
+          EXPECT_GT(s->num_deferred_units(), 0) << model_name;
+        }
+        for (const auto& [name, value] : s->gather_full_params()) {
+          EXPECT_TRUE(at::equal(value, reference.at(name))) << model_name << " " << name;
+        }
+      }
+      EXPECT_EQ(names[0], names[1]) << model_name;
+      if (fsdp::world_group()->rank() == 0) {
+        std::printf("[policy] %s: %zu units incl. root\n", model_name.c_str(), names[1].size());
+      }
+    }
+  });
+}
+
 TEST(DeferredInit, TrainsLikeEagerInit) {
   // Same losses with and without deferred init (the engine sees the same shards).
   fsdp::testing::run_ranks(2, "gloo", [](fsdp::ProcessGroup&) {

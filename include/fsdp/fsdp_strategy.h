@@ -95,8 +95,8 @@ struct FSDPOptions {
   int hybrid_shard_size = 0;
   // Deferred initialization: shard each unit as soon as configure_model has built it
   // (fsdp::nn::built / fsdp::wrap), so no rank ever holds the whole model. Applies to
-  // FULL_SHARD and SHARD_GRAD_OP over more than one rank with a type-based wrap policy or
-  // manual wraps; other configurations build the whole model, then shard it. See
+  // FULL_SHARD and SHARD_GRAD_OP over more than one rank (any wrap policy, manual wraps);
+  // other configurations build the whole model, then shard it. See
   // Note [Deferred initialization] in src/shard/deferred_init.cpp.
   bool deferred_init = true;
 

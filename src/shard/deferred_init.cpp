@@ -25,13 +25,17 @@ namespace detail {
 //   enter_configure_model  FSDPStrategy creates the FsdpState that will own the model and
 //                          installs a DeferredInit as this thread's fsdp::nn::InitObserver.
 //   fsdp::nn::built(m)     the model says "m is complete" (the demo models do it for every
-//                          layer right after constructing it). With a type-based wrap policy,
-//                          every module inside m of a policy type (innermost first) becomes a
-//                          unit now: FsdpParamGroup::init() creates each parameter's shard S
+//                          layer right after constructing it). The wrap policy picks units
+//                          inside m now (types: every module of a policy type, innermost
+//                          first; size/predicate: the same children-first count select_units
+//                          does, which inside m depends only on m's subtree). Each becomes a
+//                          unit at once: FsdpParamGroup::init() creates each parameter's shard S
 //                          from its values, frees P's storage and swaps S into the module, one
 //                          parameter at a time, before the next layer is constructed.
 //   fsdp::wrap(m)          the same for a manually wrapped module.
-//   setup_module           the usual unit selection runs over the whole model; a selected
+//   setup_module           the usual unit selection runs over the whole model (size and
+//                          predicate policies through policy_with_deferred_units, so they do
+//                          not count shards); a selected
 //                          module that is already a deferred unit is adopted as it is (its
 //                          FQN is filled in now), everything else is built and sharded as
 //                          before (the root unit: embeddings, final norms, heads).
@@ -43,8 +47,7 @@ namespace detail {
 //
 // Falls back to eager build-then-shard (nothing is sharded during configure_model) for:
 // NO_SHARD and the HYBRID strategies (their groups are made in setup_module), a world of one
-// rank, sync_module_states (rank 0's full values are broadcast first), the size-based and
-// predicate wrap policies (they decide on whole-model parameter counts), and models that call
+// rank, sync_module_states (rank 0's full values are broadcast first), and models that call
 // neither fsdp::nn::built nor fsdp::wrap. If the selection at setup does not keep a deferred
 // unit (e.g. the model called fsdp::wrap after the policy had sharded its layers, or the
 // mixed-precision policy changed after configure_model, or a parameter of it was frozen or
@@ -64,7 +67,36 @@ bool DeferredInit::active() const {
 }
 
 void DeferredInit::on_built(torch::nn::Module& module) {
-  if (!active() || policy_.kind != AutoWrapPolicy::Kind::kTypes) return;
+  if (!active()) return;
+  if (policy_.kind == AutoWrapPolicy::Kind::kSize ||
+      policy_.kind == AutoWrapPolicy::Kind::kPredicate) {
+    // As select_units, inside the built subtree (every decision there depends only on the
+    // subtree): children first, a module's count is the elements no descendant unit took;
+    // units sharded earlier count as taken.
+    std::set<const c10::TensorImpl*> counted;
+    std::set<const torch::nn::Module*> done;
+    std::vector<fsdp::nn::Module*> chosen;  // post-order
+    std::function<int64_t(torch::nn::Module&)> count = [&](torch::nn::Module& m) -> int64_t {
+      if (!done.insert(&m).second || state_->is_deferred_unit(&m)) return 0;
+      int64_t n = 0;
+      for (auto& child : m.children()) n += count(*child);
+      for (auto& p : m.named_parameters(/*recurse=*/false)) {
+        if (counted.insert(p.value().unsafeGetTensorImpl()).second) n += p.value().numel();
+      }
+      auto* hooked = dynamic_cast<fsdp::nn::Module*>(&m);
+      if (hooked == nullptr) return n;
+      const bool wrap = policy_.kind == AutoWrapPolicy::Kind::kSize
+                            ? n >= policy_.min_num_params
+                            : policy_.predicate(m, n);
+      if (!wrap) return n;
+      chosen.push_back(hooked);
+      return 0;
+    };
+    count(module);
+    for (auto* unit : chosen) state_->shard_deferred_unit(*unit);
+    return;
+  }
+  if (policy_.kind != AutoWrapPolicy::Kind::kTypes) return;
   // Children first: a nested unit takes its parameters before the unit around it.
   std::set<const torch::nn::Module*> seen;
   std::function<void(torch::nn::Module&)> visit = [&](torch::nn::Module& m) {
@@ -179,6 +211,30 @@ void FsdpState::restore_unselected_deferred(const std::vector<UnitSpec>& specs) 
     preinitialized_.erase(&unit);
     it = deferred_.erase(it);
   }
+}
+
+AutoWrapPolicy policy_with_deferred_units(const FsdpState& state, const AutoWrapPolicy& policy) {
+  if (state.num_deferred_units() == 0 || (policy.kind != AutoWrapPolicy::Kind::kSize &&
+                                          policy.kind != AutoWrapPolicy::Kind::kPredicate)) {
+    return policy;
+  }
+  std::set<const torch::nn::Module*> units, inside;
+  for (const auto& unit : state.deferred_units()) {
+    units.insert(unit->module());
+    std::function<void(const torch::nn::Module&)> mark = [&](const torch::nn::Module& m) {
+      for (const auto& child : m.children()) {
+        if (inside.insert(child.get()).second) mark(*child);
+      }
+    };
+    mark(*unit->module());
+  }
+  return AutoWrapPolicy::of_predicate(
+      [units, inside, policy](const torch::nn::Module& m, int64_t n) {
+        if (units.count(&m)) return true;
+        if (inside.count(&m)) return false;
+        return policy.kind == AutoWrapPolicy::Kind::kSize ? n >= policy.min_num_params
+                                                          : policy.predicate(m, n);
+      });
 }
 
 bool same_sharding_config(const FsdpConfig& a, const FsdpConfig& b) {

@@ -13,6 +13,11 @@ struct FsdpConfig;
 // The engine configuration of `options` (one place: setup_module and deferred init agree).
 // Defined in fsdp_strategy.cpp.
 FsdpConfig make_fsdp_config(const FSDPOptions& options);
+// `policy` for select_units over a model some of whose units were sharded during
+// configure_model: size-based and predicate policies would count their shards, so deferred
+// units are chosen as they were and modules inside them are not; everything else is asked as
+// usual (full counts). Other policies are returned unchanged.
+AutoWrapPolicy policy_with_deferred_units(const FsdpState& state, const AutoWrapPolicy& policy);
 // Whether units built under `a` are valid under `b` (resharding and mixed precision agree).
 bool same_sharding_config(const FsdpConfig& a, const FsdpConfig& b);
 

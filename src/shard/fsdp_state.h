@@ -46,6 +46,7 @@ class FsdpState {
   bool is_deferred_unit(const torch::nn::Module* module) const;
   size_t num_deferred_units() const { return deferred_.size(); }
   size_t num_adopted_units() const { return preinitialized_.size(); }  // after build()
+  const std::vector<std::unique_ptr<FsdpParamGroup>>& deferred_units() const { return deferred_; }
   // All-gathers the deferred units `specs` does not select back into full parameters (every
   // rank, same order) and drops them; so does restore_all_deferred for all of them.
   void restore_unselected_deferred(const std::vector<UnitSpec>& specs);

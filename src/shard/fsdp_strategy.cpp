@@ -251,7 +251,6 @@ void FSDPStrategy::setup_module(LightningModule& module) {
 
   const detail::FsdpConfig config = detail::make_fsdp_config(options_);
 
-  auto units = detail::select_units(module, options_.auto_wrap_policy, manual_units_);
   // Units sharded during configure_model live in deferred_state_ (deferred init); a
   // configuration changed since then (e.g. mixed precision) sends them back to eager.
   end_deferred_init();
@@ -260,6 +259,11 @@ void FSDPStrategy::setup_module(LightningModule& module) {
     state->restore_all_deferred();
     state.reset();
   }
+  // Size/predicate policies count elements: deferred units keep the choices made when built.
+  const AutoWrapPolicy policy =
+      state ? detail::policy_with_deferred_units(*state, options_.auto_wrap_policy)
+            : options_.auto_wrap_policy;
+  auto units = detail::select_units(module, policy, manual_units_);
   if (!state) state = std::make_unique<detail::FsdpState>(config, shard_group, replicate_group);
   state->build(module, units);
   num_deferred_units_ = static_cast<int>(state->num_adopted_units());
