@@ -11,7 +11,9 @@
 //                  AccumulateGrad node.
 //   backward       when every parameter of a bucket has its gradient, the bucket's all-reduce
 //                  (average) is launched asynchronously while backward continues; buckets launch
-//                  in the same fixed order on every rank.
+//                  in the same fixed order on every rank. Use strategy.backward(loss) (the
+//                  Trainer does): it ends the reduction after the whole backward, also with
+//                  activation checkpointing (nested backward runs).
 //   post_backward  waits for every bucket and leaves the averaged gradients in .grad.
 //   pre_forward(sync=false)  no_sync: gradients accumulate locally, nothing is communicated; the
 //                  next synchronized micro-batch all-reduces the accumulated sum.
@@ -77,6 +79,12 @@ class DDPStrategy : public Strategy {
   // Throws OutOfMemoryError when memory_budget() > 0 and estimate_ddp_memory exceeds it.
   void setup_module(LightningModule& module) override;
   void pre_forward(LightningModule& module, bool sync) override;
+  // loss.backward() with a hook on the loss that ends the reduction when the whole backward is
+  // over, also when parameter gradients come from nested backward runs (activation
+  // checkpointing). Custom loops should call it instead of loss.backward(): a plain
+  // loss.backward() works unless the first parameter gradient comes from inside a
+  // checkpointed block (then it is an error that says so).
+  void backward(const at::Tensor& loss) override;
   void post_backward(LightningModule& module, bool sync) override;
   // Gradients are identical on every rank after the all-reduce: the local norm is the global one.
   double clip_grad_norm(LightningModule& module, double max_norm) override;

@@ -143,6 +143,14 @@ void DDPStrategy::prepare_forward(bool sync) {
   }
 }
 
+void DDPStrategy::backward(const at::Tensor& loss) {
+  TORCH_CHECK(reducer_, "[ddp] backward before setup_module");
+  // See Note [DDP end of backward] in src/ddp/reducer.cpp. A loss that does not require grad
+  // gets libtorch's own error from backward().
+  if (loss.requires_grad()) reducer_->hook_loss(loss);
+  loss.backward();
+}
+
 void DDPStrategy::post_backward(LightningModule& module, bool sync) { finish_backward(sync); }
 
 void DDPStrategy::finish_backward(bool sync) {

@@ -42,6 +42,24 @@ namespace fsdp::detail {
 // on no rank keep their .grad untouched, as in PyTorch, so optimizers skip them like in a
 // single process.
 
+// Note [DDP end of backward]
+// Buckets whose parameters got no gradient (unused parameters, static_graph's known-unused ones)
+// and the "used" mask are launched by finalize_backward, which must run once the whole backward
+// is over: it is an autograd engine callback (Engine::queue_callback), and a callback runs when
+// the graph task it was queued in finishes. Queuing it from the first parameter's gradient hook
+// is wrong when that gradient comes from a *nested* backward: activation checkpointing
+// (src/nn/activation_checkpointing.cpp) back-propagates each checkpointed block in its own
+// graph task, started from the checkpoint function's backward, so with every parameter inside
+// checkpointed blocks (or the first gradient from one) the callback would run when the first
+// block's nested backward ends, before the other blocks' gradients exist. So
+// DDPStrategy::backward(loss) hooks the loss tensor (hook_loss): that hook runs in the outer
+// graph task, before any parameter gradient, and queues the callback there.
+// The gradient-hook path stays as a fallback for custom loops that call loss.backward()
+// directly (and for backward without pre_forward). It has the limitation above: with
+// activation checkpointing, the first gradient must come from outside the checkpointed blocks;
+// otherwise the early end of backward is reported as an error whose hint says to call
+// DDPStrategy::backward(loss).
+
 class Reducer::Hook : public torch::autograd::FunctionPostHook {
  public:
   Hook(Reducer* reducer, int index) : reducer_(reducer), index_(index) {}
@@ -165,6 +183,7 @@ void Reducer::arm(bool sync) {
   held_buckets_ = 0;
   ready_order_.clear();
   callback_queued_ = false;
+  callback_from_grad_hook_ = false;
   used_work_.reset();
   if (static_recorded_) {
     // See Note [DDP static graph]: known-unused parameters are ready from the start.
@@ -182,6 +201,44 @@ void Reducer::prepare_forward(bool sync) {
   arm(sync);
 }
 
+void Reducer::hook_loss(const at::Tensor& loss) {
+  TORCH_INTERNAL_ASSERT(loss.requires_grad());
+  std::weak_ptr<bool> alive = alive_;
+  at::Tensor hooked = loss;  // shares the TensorImpl: the hook is registered on `loss`
+  hooked.register_hook([this, alive](const at::Tensor&) {
+    if (alive.lock()) on_backward_start();
+  });
+}
+
+void Reducer::on_backward_start() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (state_ == ReducerState::kIdle) arm(true);  // backward without pre_forward: synchronize
+  // kNoSync: nothing to finish. kReducing: a second backward before post_backward; the first
+  // gradient hook reports it.
+  if (state_ != ReducerState::kSync || callback_queued_) return;
+  queue_end_of_backward();
+}
+
+void Reducer::queue_end_of_backward() {
+  callback_queued_ = true;
+  std::weak_ptr<bool> alive = alive_;
+  torch::autograd::Engine::get_default_engine().queue_callback([this, alive] {
+    if (!alive.lock()) return;
+    std::lock_guard<std::mutex> lock(mutex_);
+    finalize_backward();
+  });
+}
+
+std::string Reducer::nested_backward_hint() const {
+  if (!callback_from_grad_hook_) return "";
+  return " ---> HINT: if the model uses activation checkpointing: backward was started with "
+         "loss.backward(), so DDP ends the reduction when the backward run that produced the "
+         "first gradient ends, and for a gradient from a checkpointed block that is the block's "
+         "nested backward, before the other blocks' gradients exist. Call "
+         "strategy.backward(loss) (fsdp::DDPStrategy::backward; the Trainer does) instead of "
+         "loss.backward()";
+}
+
 void Reducer::on_grad_ready(int index) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (state_ == ReducerState::kIdle) arm(true);  // backward without pre_forward: synchronize
@@ -192,7 +249,7 @@ void Reducer::on_grad_ready(int index) {
   }
   TORCH_CHECK(state_ == ReducerState::kSync, "[ddp] parameter '", p.name,
               "' received a gradient after backward had finished; call post_backward before "
-              "the next backward (one backward per pre_forward)");
+              "the next backward (one backward per pre_forward)", nested_backward_hint());
   if (static_recorded_ && static_unused_[index]) {
     TORCH_CHECK(false, "[ddp] static_graph=true but parameter '", p.name,
                 "' received a gradient in synchronized backward ", num_synced_backwards_ + 1,
@@ -205,11 +262,9 @@ void Reducer::on_grad_ready(int index) {
               "each forward and post_backward after each backward");
   p.used = true;
   if (!callback_queued_) {
-    callback_queued_ = true;
-    torch::autograd::Engine::get_default_engine().queue_callback([this] {
-      std::lock_guard<std::mutex> lock(mutex_);
-      finalize_backward();
-    });
+    // Fallback: loss.backward() without DDPStrategy::backward (Note [DDP end of backward]).
+    callback_from_grad_hook_ = true;
+    queue_end_of_backward();
   }
   if (options_.static_graph && !static_recorded_) ready_order_.push_back(index);
   mark_ready(index);
@@ -278,7 +333,7 @@ void Reducer::finalize_backward() {
                   names.str(), " received no gradient in synchronized backward ",
                   num_synced_backwards_ + 1,
                   " although they received one in the first: the graph is not static. Set "
-                  "static_graph=false and find_unused_parameters=true");
+                  "static_graph=false and find_unused_parameters=true", nested_backward_hint());
     }
     TORCH_CHECK(false, "[ddp] rank ", group_->rank(), ": ", missing.size(),
                 " trainable parameter(s) received no gradient in this backward: ", names.str(),
@@ -286,7 +341,7 @@ void Reducer::finalize_backward() {
                 "---> HINT: if these parameters are unused on purpose, pass "
                 "find_unused_parameters=true (fsdp::DDPOptions), or set "
                 "requires_grad=false on them; otherwise check that forward uses them and that "
-                "the loss depends on its output");
+                "the loss depends on its output", nested_backward_hint());
   }
   for (int i : missing) mark_ready(i);
   launch_ready_buckets();

@@ -43,6 +43,10 @@ class Reducer {
 
   // Called before each forward. sync=false: no_sync micro-batch.
   void prepare_forward(bool sync);
+  // Registers a hook on `loss` that queues the end-of-backward callback when backward reaches
+  // the loss, i.e. in the graph task that loss.backward() starts (DDPStrategy::backward). See
+  // Note [DDP end of backward].
+  void hook_loss(const at::Tensor& loss);
   // Called after loss.backward(). On a synchronized micro-batch: waits for every bucket and
   // leaves the averaged gradients in .grad.
   void finish_backward(bool sync);
@@ -83,6 +87,9 @@ class Reducer {
   at::Tensor bucket_view(const Param& p) const;  // (param shape) view of its slot
   void arm(bool sync);
   void on_grad_ready(int index);  // from the AccumulateGrad post-hook
+  void on_backward_start();       // from the loss hook (hook_loss)
+  void queue_end_of_backward();
+  std::string nested_backward_hint() const;
   void mark_ready(int index);
   void launch_ready_buckets();
   void launch(int bucket);
@@ -101,6 +108,11 @@ class Reducer {
   ReducerState state_ = ReducerState::kIdle;
   int next_to_launch_ = 0;
   bool callback_queued_ = false;
+  // The callback was queued by a gradient hook (loss.backward() called directly), not by the
+  // loss hook: it may belong to a nested backward (Note [DDP end of backward]).
+  bool callback_from_grad_hook_ = false;
+  // Expires with the reducer; the loss hooks and engine callbacks hold a weak_ptr to it.
+  std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
 
   // find_unused_parameters / static_graph: 1 per parameter used on any rank (all-reduced).
   at::Tensor used_local_;   // (num params) float
