@@ -49,14 +49,6 @@ at::ScalarType to_scalar_type(DType dtype) {
   return at::kFloat;
 }
 
-std::string shape_str(const std::vector<int64_t>& shape) {
-  std::ostringstream out;
-  out << "[";
-  for (size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
-  out << "]";
-  return out.str();
-}
-
 std::string shard_file_name(int rank, int world) {
   return "shard-" + std::to_string(rank) + "-of-" + std::to_string(world) + ".safetensors";
 }

@@ -41,7 +41,6 @@ constexpr int kFormatVersion = 1;
 
 DType to_dtype(at::ScalarType type);
 at::ScalarType to_scalar_type(DType dtype);
-std::string shape_str(const std::vector<int64_t>& shape);
 std::string shard_file_name(int rank, int world);
 // Shape of a piece of `rows` rows of a tensor of `full` shape.
 std::vector<int64_t> piece_shape(const std::vector<int64_t>& full, int64_t rows);

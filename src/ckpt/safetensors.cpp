@@ -26,14 +26,6 @@ constexpr uint64_t kMaxHeaderBytes = 100ull << 20;
   throw FormatError(what + ": " + message);
 }
 
-std::string shape_str(const std::vector<int64_t>& shape) {
-  std::ostringstream out;
-  out << "[";
-  for (size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
-  out << "]";
-  return out.str();
-}
-
 std::string errno_str() { return std::strerror(errno); }
 
 std::string dir_of(const std::string& path) {
@@ -57,6 +49,14 @@ void write_all(int fd, const void* data, size_t n, const std::string& path) {
 }
 
 }  // namespace
+
+std::string shape_str(const std::vector<int64_t>& shape) {
+  std::ostringstream out;
+  out << "[";
+  for (size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
+  out << "]";
+  return out.str();
+}
 
 const char* dtype_name(DType dtype) {
   switch (dtype) {

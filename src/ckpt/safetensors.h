@@ -36,6 +36,7 @@ class FormatError : public std::runtime_error {
 enum class DType { kF64, kF32, kF16, kBF16, kI64, kI32, kI16, kI8, kU8, kBool };
 
 const char* dtype_name(DType dtype);           // "F32", ...
+std::string shape_str(const std::vector<int64_t>& shape);  // "[4096, 1024]"
 bool parse_dtype(const std::string& name, DType* out);
 int64_t dtype_itemsize(DType dtype);
 
