@@ -14,10 +14,19 @@ all: build
 setup:
 	@bash scripts/setup.sh
 
-$(BUILD_DIR)/build.ninja:
-	cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE)
+# FSDP_LIBTORCH=/path/to/libtorch (make variable or environment) builds against that libtorch
+# 2.x instead of the torch wheel in .venv; setting it reconfigures.
+FSDP_LIBTORCH ?=
+CMAKE_ARGS ?=
 
-configure: $(BUILD_DIR)/build.ninja
+$(BUILD_DIR)/build.ninja: | setup
+	cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) \
+	    -DFSDP_LIBTORCH="$(FSDP_LIBTORCH)" $(CMAKE_ARGS)
+
+configure: setup $(BUILD_DIR)/build.ninja
+ifneq ($(FSDP_LIBTORCH),)
+	cmake -S . -B $(BUILD_DIR) -DFSDP_LIBTORCH="$(FSDP_LIBTORCH)" $(CMAKE_ARGS)
+endif
 
 build: setup configure
 	cmake --build $(BUILD_DIR) -j $(JOBS)

@@ -1,19 +1,27 @@
 #!/usr/bin/env bash
-# Installs the Debian packages fsdp.cpp needs. Idempotent: when every package is
-# present it installs nothing and touches no package list.
+# Installs what fsdp.cpp needs, idempotently (both README commands run it):
+#  1. Debian packages: compilers and build tools, OpenMPI, Gloo, CLI11, nlohmann-json,
+#     GoogleTest/Benchmark, clang for the fuzz targets. Nothing is installed when all are present.
+#  2. The project's Python virtual environment (.venv, or $FSDP_VENV) with the pinned packages of
+#     scripts/requirements*.txt: torch==2.13.0 (CPU), whose libtorch the C++ build links, and the
+#     peers that tests and benchmarks run beside fsdp.cpp. Nothing is installed when the
+#     environment already matches the pinned files (a stamp holds their hash).
+# Environment: FSDP_PYTHON (interpreter that creates the venv, default python3), FSDP_VENV.
 set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
 
 PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config
-  libtorch-dev            # libtorch 1.13 (CPU); pulls c10d Gloo
-  libgloo-dev             # Gloo headers that ProcessGroupGloo.hpp includes
-  libopenmpi-dev openmpi-bin
-  libopenblas0-pthread libopenblas-dev
+  libgloo-dev                   # the gloo backend calls Gloo directly (docs/design.md, Note [Gloo backend])
+  libopenmpi-dev openmpi-bin    # the mpi backend
   libcli11-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  python3-numpy python3-torch   # independent safetensors reader (tests), PyTorch DDP peer (bench)
-  clang libclang-rt-14-dev      # libFuzzer target for the checkpoint readers (tests/fuzz)
+  clang libclang-rt-14-dev      # libFuzzer targets for the checkpoint readers (tests/fuzz)
+  python3 python3-venv          # the project's virtual environment
 )
+
+SUDO=""
+if [ "$(id -u)" != 0 ]; then SUDO=sudo; fi
 
 missing=()
 for p in "${PACKAGES[@]}"; do
@@ -21,25 +29,43 @@ for p in "${PACKAGES[@]}"; do
     missing+=("$p")
   fi
 done
-
 if ((${#missing[@]})); then
-  echo "setup: installing ${missing[*]}"
-  SUDO=""
-  if [ "$(id -u)" != 0 ]; then SUDO=sudo; fi
+  echo "setup: installing Debian packages: ${missing[*]}"
   export DEBIAN_FRONTEND=noninteractive
   $SUDO apt-get update -qq
   $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
-# libtorch links whatever libblas.so.3 is selected; the reference BLAS is ~30x slower.
-blas=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
-if [ -e "$blas" ] && command -v update-alternatives >/dev/null; then
-  current=$(readlink -f /etc/alternatives/libblas.so.3-x86_64-linux-gnu 2>/dev/null || true)
-  if [ "$current" != "$blas" ]; then
-    echo "setup: selecting OpenBLAS as libblas.so.3"
-    SUDO=""; if [ "$(id -u)" != 0 ]; then SUDO=sudo; fi
-    $SUDO update-alternatives --set libblas.so.3-x86_64-linux-gnu "$blas"
-    lapack=/usr/lib/x86_64-linux-gnu/openblas-pthread/liblapack.so.3
-    [ -e "$lapack" ] && $SUDO update-alternatives --set liblapack.so.3-x86_64-linux-gnu "$lapack" || true
+# --- Python environment -------------------------------------------------------------------
+PYTHON=${FSDP_PYTHON:-python3}
+VENV=${FSDP_VENV:-$root/.venv}
+reqs=("$root/scripts/requirements.txt" "$root/scripts/requirements-nobuild.txt")
+want=$(cat "${reqs[@]}" | sha256sum | cut -d' ' -f1)
+stamp="$VENV/.fsdp-requirements.sha256"
+if [ -x "$VENV/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
+  exit 0
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "setup: creating the Python environment $VENV ($($PYTHON --version 2>&1))"
+  if ! "$PYTHON" -m venv "$VENV"; then
+    echo "setup: '$PYTHON -m venv' failed. ---> HINT: install python3-venv, or set FSDP_PYTHON to a" \
+         "Python 3.11 interpreter that has venv" >&2
+    exit 1
   fi
 fi
+pip=("$VENV/bin/python" -m pip --disable-pip-version-check)
+echo "setup: installing the pinned Python packages into $VENV (torch 2.13.0 CPU + peers; once)"
+# torch==2.13.0 resolves to the CPU build where one is offered (the local version label +cpu
+# sorts above the registry's CUDA build of the same version).
+"${pip[@]}" install -q -r "$root/scripts/requirements.txt"
+"${pip[@]}" install -q --no-build-isolation -r "$root/scripts/requirements-nobuild.txt"
+"$VENV/bin/python" - <<'PY'
+import sys, torch
+v = torch.__version__
+if not v.startswith("2.13.0"):
+    sys.exit(f"setup: the environment has torch {v}, expected 2.13.0")
+print(f"setup: torch {v} (cuda: {torch.version.cuda}); libtorch CMake package in "
+      f"{torch.utils.cmake_prefix_path}")
+PY
+echo "$want" > "$stamp"

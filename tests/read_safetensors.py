@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Independent safetensors reader (numpy only) used by the checkpoint tests.
 
 Usage: read_safetensors.py FILE [NAME ...]

@@ -197,7 +197,7 @@ TEST(CheckpointCli, InspectAndConvertCheckedWithNumpy) {
   PlainLM lm(vocab_of(ckpt));
   lm.configure_model();
   fsdp::load_weights(lm, ckpt);
-  auto py = run_process({"/usr/bin/python3", std::string(FSDP_SOURCE_DIR) +
+  auto py = run_process({FSDP_PYTHON, std::string(FSDP_SOURCE_DIR) +
                                                  "/tests/read_safetensors.py", out});
   ASSERT_EQ(py.exit_code, 0) << py.err;
   auto doc = json::parse(py.out)["tensors"];

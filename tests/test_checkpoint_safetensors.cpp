@@ -98,7 +98,7 @@ TEST(Safetensors, IndependentPythonReaderAgrees) {
   std::string path = scratch("py.safetensors");
   write_sample(path);
   std::string script = std::string(FSDP_SOURCE_DIR) + "/tests/read_safetensors.py";
-  auto res = fsdp::testing::run_process({"/usr/bin/python3", script, path});
+  auto res = fsdp::testing::run_process({FSDP_PYTHON, script, path});
   ASSERT_EQ(res.exit_code, 0) << res.err;
   auto doc = nlohmann::json::parse(res.out);
   EXPECT_EQ(doc["metadata"]["step"], "7");

@@ -189,7 +189,7 @@ TEST(Precision, Bf16MixedOptimizerStateIsFp32World2) {
     for (auto& group : opt->param_groups()) {
       for (auto& p : group.params()) {
         EXPECT_EQ(p.scalar_type(), at::kFloat);
-        auto it = opt->state().find(c10::guts::to_string(p.unsafeGetTensorImpl()));
+        auto it = opt->state().find(p.unsafeGetTensorImpl());
         if (it == opt->state().end()) continue;
         auto& st = static_cast<torch::optim::AdamParamState&>(*it->second);
         EXPECT_EQ(st.exp_avg().scalar_type(), at::kFloat);

@@ -82,8 +82,9 @@ struct Layout {
   std::map<const c10::TensorImpl*, std::string> param_fqn;  // registered tensor -> FQN
 };
 
-std::string state_key(const at::Tensor& p) {
-  return c10::guts::to_string(p.unsafeGetTensorImpl());
+// libtorch 2.x keys optimizer state by the parameter's TensorImpl pointer.
+void* state_key(const at::Tensor& p) {
+  return p.unsafeGetTensorImpl();
 }
 
 std::string optimizer_kind(torch::optim::Optimizer& opt) {

@@ -64,7 +64,7 @@ class Reducer {
   struct Param {
     std::string name;
     at::Tensor tensor;                                   // the parameter itself
-    std::shared_ptr<torch::autograd::Node> grad_acc;     // kept alive: it carries our hook
+    c10::intrusive_ptr<torch::autograd::Node> grad_acc;     // kept alive: it carries our hook
     uintptr_t hook_key = 0;
     int bucket = -1;
     int64_t offset = 0;  // element offset in its bucket's buffer

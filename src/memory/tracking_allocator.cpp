@@ -60,12 +60,12 @@ void tracking_delete(void* data) {
          "use a sharding strategy that shards more (FULL_SHARD / ZeRO-3), enable activation "
          "checkpointing or CPU offload, or raise the budget";
   // No C++ backtrace in the message: this is a user-facing condition, not a bug.
-  throw OutOfMemoryError(msg.str(), "");
+  throw OutOfMemoryError(msg.str());
 }
 
 class TrackingAllocator final : public at::Allocator {
  public:
-  at::DataPtr allocate(size_t nbytes) const override {
+  at::DataPtr allocate(size_t nbytes) override {
     if (nbytes == 0) return {nullptr, nullptr, &tracking_delete, at::Device(at::DeviceType::CPU)};
     const int64_t n = static_cast<int64_t>(nbytes);
     const int64_t now = g_current.fetch_add(n, std::memory_order_relaxed) + n;
@@ -89,6 +89,9 @@ class TrackingAllocator final : public at::Allocator {
   }
 
   at::DeleterFnPtr raw_deleter() const override { return &tracking_delete; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
 };
 
 // Above the default CPU allocator (priority 0): later SetCPUAllocator calls with a lower
