@@ -53,6 +53,7 @@ struct Args {
   std::string optimizer = "adam";
   double lr = 1e-3;
   double weight_decay = 0;
+  double adam_eps = 1e-8;
   // Data
   std::string data = "synthetic";
   std::string data_dir = "data/wikitext-2";
@@ -104,8 +105,13 @@ std::shared_ptr<fsdp::nn::Module> build_model(const ModelSpec& spec) {
 // log-probabilities.
 class LanguageModel : public fsdp::LightningModule {
  public:
-  LanguageModel(ModelSpec spec, std::string optimizer, double lr, double weight_decay)
-      : spec_(std::move(spec)), optimizer_(std::move(optimizer)), lr_(lr), wd_(weight_decay) {}
+  LanguageModel(ModelSpec spec, std::string optimizer, double lr, double weight_decay,
+                double adam_eps)
+      : spec_(std::move(spec)),
+        optimizer_(std::move(optimizer)),
+        lr_(lr),
+        wd_(weight_decay),
+        eps_(adam_eps) {}
 
   void configure_model() override {
     if (model_) return;  // idempotent, as Lightning asks
@@ -147,14 +153,14 @@ class LanguageModel : public fsdp::LightningModule {
   fsdp::OptimizerConfig configure_optimizers() override {
     if (optimizer_ == "adamw") {
       return {std::make_shared<torch::optim::AdamW>(
-          parameters(), torch::optim::AdamWOptions(lr_).weight_decay(wd_))};
+          parameters(), torch::optim::AdamWOptions(lr_).weight_decay(wd_).eps(eps_))};
     }
     if (optimizer_ == "sgd") {
       return {std::make_shared<torch::optim::SGD>(
           parameters(), torch::optim::SGDOptions(lr_).weight_decay(wd_))};
     }
     return {std::make_shared<torch::optim::Adam>(
-        parameters(), torch::optim::AdamOptions(lr_).weight_decay(wd_))};
+        parameters(), torch::optim::AdamOptions(lr_).weight_decay(wd_).eps(eps_))};
   }
 
  private:
@@ -165,7 +171,7 @@ class LanguageModel : public fsdp::LightningModule {
 
   ModelSpec spec_;
   std::string optimizer_;
-  double lr_, wd_;
+  double lr_, wd_, eps_;
   std::shared_ptr<fsdp::nn::Module> model_;
 };
 
@@ -396,7 +402,7 @@ int run(const Args& a, const ModelSpec& spec_in) {
         fsdp::DistributedSampler(data.val->size(), 1, 0, /*shuffle=*/false, a.seed), true);
   }
 
-  LanguageModel model(spec, a.optimizer, a.lr, a.weight_decay);
+  LanguageModel model(spec, a.optimizer, a.lr, a.weight_decay, a.adam_eps);
   trainer.print("[fsdp-train] model " + a.model + ", vocab " + std::to_string(spec.vocab_size) +
                 ", data " + a.data + " (" + std::to_string(data.train->size()) +
                 " training blocks of " + std::to_string(a.block_size) + "), strategy " +
@@ -425,6 +431,8 @@ int run(const Args& a, const ModelSpec& spec_in) {
     j["steps"] = r.steps;
     j["epochs"] = r.epochs;
     j["batch_size"] = a.batch_size;
+    j["precision"] = a.precision;
+    j["skipped_steps"] = r.skipped_steps;  // 16-mixed: steps the grad scaler skipped (inf/nan)
     j["activation_checkpointing"] = a.activation_checkpointing;
     j["seconds"] = r.seconds;
     j["it_per_s"] = r.it_per_s;
@@ -496,7 +504,8 @@ int main(int argc, char** argv) {
   app.add_option("--precision", a.precision,
                  "32-true (fp32); bf16-mixed (FSDP: fp32 master shards, bf16 all-gather/compute/"
                  "reduce-scatter; other strategies: CPU autocast); bf16-true (bf16 everything); "
-                 "64-true; 16-mixed/16-true fail on CPU (no fp16 matmul)")
+                 "16-mixed (as bf16-mixed in fp16, with loss scaling); 16-true (fp16 "
+                 "everything; with --adam-eps 1e-4); 64-true")
       ->check(CLI::IsMember(fsdp::Trainer::precision_names()));
   app.add_option("--max-steps", a.max_steps, "optimizer steps to take (-1: until --max-epochs)")
       ->check(at_least_minus_one);
@@ -537,6 +546,9 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"adam", "adamw", "sgd"}));
   app.add_option("--lr", a.lr, "learning rate")->check(CLI::PositiveNumber);
   app.add_option("--weight-decay", a.weight_decay, "weight decay")->check(CLI::NonNegativeNumber);
+  app.add_option("--adam-eps", a.adam_eps,
+                 "adam/adamw eps (16-true needs one fp16 can hold, e.g. 1e-4)")
+      ->check(CLI::PositiveNumber);
   // Data
   app.add_option("--data", a.data, "synthetic (built in, no files) | wikitext2")
       ->check(CLI::IsMember({"synthetic", "wikitext2"}));

@@ -140,13 +140,13 @@ TEST(ActivationCheckpointing, RecomputeRunsUnderTheForwardsAutocastState) {
   fsdp::apply_activation_checkpointing(*ckpt, fsdp::demos::layer_types("transformer-tiny"));
   fsdp::Batch b = fsdp::testing::global_batch(2, 4);
   auto forward_autocast = [&](fsdp::nn::Module& m) {
-    at::autocast::set_cpu_enabled(true);
-    at::autocast::set_autocast_cpu_dtype(at::kBFloat16);
+    at::autocast::set_autocast_enabled(at::kCPU, true);
+    at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
     at::autocast::increment_nesting();
     torch::manual_seed(21);
     at::Tensor loss = at::nll_loss(m(b.input, b.target), b.target.reshape(-1));
     if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
-    at::autocast::set_cpu_enabled(false);
+    at::autocast::set_autocast_enabled(at::kCPU, false);
     return loss;
   };
   at::Tensor lp = forward_autocast(*plain);
@@ -154,7 +154,7 @@ TEST(ActivationCheckpointing, RecomputeRunsUnderTheForwardsAutocastState) {
   EXPECT_EQ(lp.item<double>(), lc.item<double>());
   lp.backward();
   lc.backward();
-  EXPECT_FALSE(at::autocast::is_cpu_enabled()) << "the recompute left autocast on";
+  EXPECT_FALSE(at::autocast::is_autocast_enabled(at::kCPU)) << "the recompute left autocast on";
   EXPECT_LE(grad_diff(*ckpt, *plain).first, 1e-6);
 }
 

@@ -34,6 +34,7 @@
 #include "fsdp/init.h"
 #include "fsdp/launcher.h"
 #include "fsdp/lightning.h"
+#include "fsdp/precision.h"
 #include "fsdp/strategy.h"
 
 #include <cstdint>
@@ -82,8 +83,9 @@ struct TrainerOptions {
   // fsdp/precision.h: "32-true" (alias "32"); "bf16-mixed" (FSDP: MixedPrecisionPolicy
   // {bf16, bf16, bf16} unless the FSDPStrategy has its own; other strategies: CPU autocast to
   // bf16 with fp32 parameters); "bf16-true" (model built in bf16: parameters, compute and
-  // optimizer state); "64-true" (alias "64", fp64). "16-mixed"/"16-true" fail: CPU libtorch
-  // has no fp16 matmul.
+  // optimizer state); "16-mixed" (as bf16-mixed in fp16, plus loss scaling by a
+  // ShardedGradScaler that skips steps with inf/nan gradients); "16-true" (model in fp16, no
+  // loss scaling; Adam's eps must not round to 0 in fp16); "64-true" (alias "64", fp64).
   std::string precision = "32-true";
   // Stop after this many epochs / optimizer steps, whichever comes first. Both unset
   // (-1): max_epochs = 1000, as Lightning.
@@ -134,6 +136,7 @@ struct FitResults {
   int64_t micro_batches = 0;       // training micro-batches run (per rank)
   double seconds = 0;              // wall time of the training loop
   double it_per_s = 0;             // optimizer steps per second, first step (warm-up) excluded
+  int64_t skipped_steps = 0;       // "16-mixed": optimizer steps the grad scaler skipped (inf/nan)
   int64_t params = 0;              // parameter elements of the model after configure_model
   int64_t trainable_params = 0;
   // Per rank, during training: the peaks are reset once setup (configure_model, sharding,
@@ -204,6 +207,8 @@ class Trainer {
   // validation metrics after each validation, epoch metrics at epoch end), as Lightning's
   // trainer.callback_metrics. sync_dist metrics are equal on every rank; others are this rank's.
   const std::map<std::string, double>& callback_metrics() const { return callback_metrics_; }
+  // "16-mixed": the loss scaler of the current/last fit (null for other precisions).
+  const ShardedGradScaler* grad_scaler() const { return grad_scaler_.get(); }
 
   // Names accepted by TrainerOptions::precision / accelerator.
   static std::vector<std::string> precision_names();
@@ -234,6 +239,7 @@ class Trainer {
   int64_t next_batch_ = 0;
   std::map<std::string, double> callback_metrics_;
   std::vector<CallbackPtr> fit_callbacks_;  // options_.callbacks + the checkpoint_dir sugar
+  std::unique_ptr<ShardedGradScaler> grad_scaler_;  // "16-mixed" only
 };
 
 // "single": one process, no communication; world size must be 1.

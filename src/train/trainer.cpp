@@ -42,10 +42,17 @@ bool contains(const std::vector<std::string>& v, const std::string& x) {
 
 void check_precision(const std::string& p) { check_precision_supported(parse_precision(p)); }
 
-// "bf16-mixed" outside FSDP: CPU autocast around the steps, fp32 parameters (fsdp/precision.h).
-bool uses_cpu_autocast(const std::string& precision, const Strategy* strategy) {
-  return parse_precision(precision) == Precision::kBf16Mixed &&
-         dynamic_cast<const FSDPStrategy*>(strategy) == nullptr;
+// "bf16-mixed" / "16-mixed" outside FSDP: CPU autocast around the steps, fp32 parameters
+// (fsdp/precision.h). FSDP casts through its MixedPrecisionPolicy instead.
+std::optional<at::ScalarType> cpu_autocast_dtype(const std::string& precision,
+                                                 const Strategy* strategy) {
+  if (dynamic_cast<const FSDPStrategy*>(strategy) != nullptr) return std::nullopt;
+  return autocast_dtype(parse_precision(precision));
+}
+
+CpuAutocastGuard cpu_autocast(const std::string& precision, const Strategy* strategy) {
+  const std::optional<at::ScalarType> dtype = cpu_autocast_dtype(precision, strategy);
+  return CpuAutocastGuard(dtype.has_value(), dtype.value_or(at::kBFloat16));
 }
 
 void check_accelerator(const std::string& a) {
@@ -162,6 +169,11 @@ Trainer::Trainer(TrainerOptions options) : options_(std::move(options)) {
   lo.num_nodes = options_.num_nodes;
   lo.backend = backend;
   launch_ = launch(lo);  // devices > 1: from here on this code runs in every rank
+  if (launch_.rank == 0) {
+    if (auto warning = precision_performance_warning(parse_precision(options_.precision))) {
+      std::cerr << *warning << std::endl;
+    }
+  }
   install_tracking_allocator();
   // No budget given: this rank's share of the memory available now (see memory.h).
   if (const char* env = std::getenv("FSDP_MEMORY_BUDGET"); (env == nullptr || *env == '\0') &&
@@ -200,11 +212,12 @@ void Trainer::setup_model(LightningModule& module, bool for_training) {
   module.attach_trainer(this);
   if (configured_module_ == &module) return;
   if (options_.seed >= 0) seed_everything(static_cast<uint64_t>(options_.seed));
-  // Precision (fsdp/precision.h): bf16-mixed under FSDP is a MixedPrecisionPolicy (set before
-  // configure_model, which may already shard); bf16-true / 64-true build the model in that dtype.
+  // Precision (fsdp/precision.h): bf16-mixed / 16-mixed under FSDP is a MixedPrecisionPolicy
+  // (set before configure_model, which may already shard); bf16-true / 16-true / 64-true build
+  // the model in that dtype.
   const Precision precision = parse_precision(options_.precision);
   if (auto* fsdp = dynamic_cast<FSDPStrategy*>(strategy_.get())) {
-    if (precision == Precision::kBf16Mixed) fsdp->apply_default_mixed_precision(bf16_mixed_policy());
+    if (auto policy = mixed_precision_policy(precision)) fsdp->apply_default_mixed_precision(*policy);
   }
   const std::optional<at::ScalarType> true_dtype = true_precision_dtype(precision);
   {
@@ -262,7 +275,13 @@ void Trainer::fit_impl(LightningModule& module, DataLoader& train_loader,
   OptimizerConfig opt = module.configure_optimizers();
   TORCH_CHECK(opt.optimizer, "[Trainer.fit] configure_optimizers() returned no optimizer; "
               "return {std::make_shared<torch::optim::Adam>(parameters(), ...)}");
+  const Precision precision = parse_precision(o.precision);
+  check_optimizer_precision(*opt.optimizer, precision);
   strategy_->setup_optimizer(*opt.optimizer);
+  // 16-mixed: dynamic loss scaling over the world (found-inf agreed by every rank), resumed
+  // from the checkpoint below.
+  grad_scaler_.reset();
+  if (uses_grad_scaler(precision)) grad_scaler_ = std::make_unique<ShardedGradScaler>(world_);
 
   distribute(train_loader, world_size(), global_rank());
   if (val_loader) distribute(*val_loader, world_size(), global_rank());
@@ -361,7 +380,7 @@ void Trainer::fit_impl(LightningModule& module, DataLoader& train_loader,
       module.logged().clear();
       at::Tensor loss;
       {
-        CpuAutocastGuard autocast(uses_cpu_autocast(o.precision, strategy_.get()));
+        auto autocast = cpu_autocast(o.precision, strategy_.get());
         loss = module.training_step(batch, batch_idx);
       }
       TORCH_CHECK(loss.defined() && loss.numel() == 1,
@@ -372,7 +391,9 @@ void Trainer::fit_impl(LightningModule& module, DataLoader& train_loader,
       TORCH_CHECK(loss.requires_grad(), "[Trainer.fit] the loss returned by training_step at "
                   "batch ", batch_idx, " does not require grad: it is not connected to any "
                   "trainable parameter (was it computed under NoGradGuard or detached?)");
-      strategy_->backward(k > 1 ? loss / static_cast<double>(k) : loss);
+      at::Tensor to_backward = k > 1 ? loss / static_cast<double>(k) : loss;
+      if (grad_scaler_) to_backward = grad_scaler_->scale(to_backward);
+      strategy_->backward(to_backward);
       strategy_->post_backward(module, /*sync=*/boundary);
       loss_sum += loss.detach().item<double>();
       ++loss_count;
@@ -380,10 +401,19 @@ void Trainer::fit_impl(LightningModule& module, DataLoader& train_loader,
       metrics.collect_training(module.logged());
 
       if (boundary) {
-        // --- one optimizer step.
+        // --- one optimizer step. 16-mixed: hooks and clipping see unscaled gradients, and the
+        // step is skipped on every rank when any rank's gradients hold inf/nan (Lightning's
+        // MixedPrecision plugin does the same, in this order).
+        if (grad_scaler_) grad_scaler_->unscale(*opt.optimizer);
         module.on_before_optimizer_step(*opt.optimizer);
         if (o.gradient_clip_val > 0) strategy_->clip_grad_norm(module, o.gradient_clip_val);
-        strategy_->optimizer_step(*opt.optimizer);
+        if (grad_scaler_) {
+          grad_scaler_->step(*opt.optimizer, [&] { strategy_->optimizer_step(*opt.optimizer); });
+          grad_scaler_->update();
+          results_.skipped_steps = grad_scaler_->skipped_steps();
+        } else {
+          strategy_->optimizer_step(*opt.optimizer);
+        }
         strategy_->zero_grad(*opt.optimizer);
         if (opt.scheduler) opt.scheduler->step();
         ++global_step_;
@@ -504,7 +534,7 @@ std::map<std::string, double> Trainer::evaluate(LightningModule& module, DataLoa
     const Batch batch = loader.batch(i);
     strategy_->pre_forward(module, /*sync=*/false);
     module.logged().clear();
-    CpuAutocastGuard autocast(uses_cpu_autocast(options_.precision, strategy_.get()));
+    auto autocast = cpu_autocast(options_.precision, strategy_.get());
     if (stage == "val") {
       module.validation_step(batch, i);
     } else {
@@ -530,7 +560,7 @@ std::vector<at::Tensor> Trainer::predict(LightningModule& module, DataLoader& lo
     strategy_->pre_forward(module, /*sync=*/false);
     at::Tensor out;
     {
-      CpuAutocastGuard autocast(uses_cpu_autocast(options_.precision, strategy_.get()));
+      auto autocast = cpu_autocast(options_.precision, strategy_.get());
       out = module.predict_step(batch, i);
     }
     strategy_->post_eval_step(module);
