@@ -24,7 +24,7 @@
 //            reports its peak tensor bytes (tracking allocator), which the peers cannot.
 // Ratios are to PyTorch DDP measured in the same run. A run that fails (Lightning's FSDP on
 // CPU, say) is reported with its error, not dropped. Prints JSON on stdout and the markdown
-// table on stderr (and to --markdown FILE).
+// table on stderr (and to --markdown FILE). Design and limits: docs/peers.md.
 #include "bench.h"
 #include "runs.h"
 

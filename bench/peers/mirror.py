@@ -185,7 +185,7 @@ def report(args, system, clock, rss_mb, params, extra=None):
         "strategy": args.strategy,
         "precision": args.precision,
         "world_size": args.world,
-        "threads_per_rank": threads_per_rank(args),
+        "threads_per_rank": torch.get_num_threads(),  # as set on rank 0, not as asked
         "params": params,
         "steps": len(clock.ends),
         "losses": [v if math.isfinite(v) else None for v in clock.losses],  # JSON: NaN -> null
