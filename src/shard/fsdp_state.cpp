@@ -6,7 +6,7 @@
 //                       all-gather is prefetched (forward_prefetch), inputs are cast (mixed
 //                       precision) and routed through the post-backward function
 //   post_forward(u)     u is resharded (FULL_SHARD); its output gets the pre-backward hook
-//   pre_backward(u)     u is unshard again; the previous unit's all-gather is prefetched
+//   pre_backward(u)     u is unsharded again; the previous unit's all-gather is prefetched
 //   post_backward(u)    u's gradients are reduce-scattered, u is resharded; the reduce-scatter
 //                       issued before it is finished (one in flight)
 //   on_backward_end     units whose post-backward did not run are finished
