@@ -136,7 +136,7 @@ int run_precision(const std::vector<std::string>& args) {
     net->to(m.dtype);
     net->train();
     auto work = [&] {
-      fsdp::CpuAutocastGuard autocast(m.autocast.has_value(), m.autocast.value_or(at::kBFloat16));
+      fsdp::CpuAutocastGuard autocast(m.autocast);
       at::Tensor loss = at::nll_loss((*net)(ids, ids), ids.reshape(-1));
       loss.backward();
     };

@@ -94,10 +94,10 @@ bool uses_grad_scaler(Precision precision);
 
 // RAII: CPU autocast to `dtype` while alive, as Lightning's MixedPrecision plugin does for
 // "bf16-mixed" / "16-mixed" on CPU (matmul-like ops run in bf16/fp16, parameters stay fp32).
-// enabled=false does nothing. Nests; the cast cache is cleared when the outermost guard ends.
+// nullopt does nothing. Nests; the cast cache is cleared when the outermost guard ends.
 class CpuAutocastGuard {
  public:
-  explicit CpuAutocastGuard(bool enabled, at::ScalarType dtype = at::kBFloat16);
+  explicit CpuAutocastGuard(std::optional<at::ScalarType> dtype);
   ~CpuAutocastGuard();
   CpuAutocastGuard(const CpuAutocastGuard&) = delete;
   CpuAutocastGuard& operator=(const CpuAutocastGuard&) = delete;

@@ -36,6 +36,7 @@
 #include "fsdp/lightning.h"
 #include "fsdp/precision.h"
 #include "fsdp/strategy.h"
+#include "fsdp/strategy_registry.h"
 
 #include <cstdint>
 #include <map>
@@ -137,6 +138,10 @@ struct FitResults {
   double seconds = 0;              // wall time of the training loop
   double it_per_s = 0;             // optimizer steps per second, first step (warm-up) excluded
   int64_t skipped_steps = 0;       // "16-mixed": optimizer steps the grad scaler skipped (inf/nan)
+  // Per optimizer step: seconds from the start of the training loop to the end of the step
+  // (after its loss was averaged over the ranks, a synchronization point), on this rank's
+  // clock. Benchmarks compute it/s over any warm-up from it, as they do for their peers.
+  std::vector<double> step_end_seconds;
   int64_t params = 0;              // parameter elements of the model after configure_model
   int64_t trainable_params = 0;
   // Per rank, during training: the peaks are reset once setup (configure_model, sharding,
@@ -149,10 +154,6 @@ struct FitResults {
   std::map<std::string, double> metrics;  // last value of every logged metric (rank 0 view)
   std::string log_dir;             // the CSV logger's version_N directory ("" without)
 };
-
-// Strategy-driven configure_model: active_strategy() returns `strategy` while
-// strategy.enter_configure_model(), module.configure_model() and exit_configure_model() run.
-void configure_model_with(Strategy& strategy, LightningModule& module);
 
 class Trainer {
  public:
@@ -215,17 +216,29 @@ class Trainer {
   static std::vector<std::string> accelerator_names();
 
  private:
-  struct Impl;
-  void fit_impl(LightningModule& module, DataLoader& train_loader, DataLoader* val_loader);
-  void setup_model(LightningModule& module, bool for_training);
+  // configure_model under the strategy, precision, setup_module (once per module).
+  void setup_model(LightningModule& module);
   std::map<std::string, double> evaluate(LightningModule& module, DataLoader& loader,
                                          const std::string& stage);
+
+  // The fit loop, in the step's parts (src/train/trainer.cpp).
+  struct FitLoop;
+  void fit_impl(LightningModule& module, DataLoader& train_loader, DataLoader* val_loader);
+  std::unique_ptr<FitLoop> setup_fit(LightningModule& module, DataLoader& train_loader,
+                                     DataLoader* val_loader);
+  void train_micro_batch(FitLoop& loop, const Batch& batch, int64_t batch_idx, bool boundary);
+  void optimizer_step(FitLoop& loop);
+  void report_step(FitLoop& loop);
+  void validate_during_fit(FitLoop& loop);
+  void finish_fit(FitLoop& loop);
 
   TrainerOptions options_;
   LaunchInfo launch_;
   ProcessGroupPtr world_;
   StrategyPtr strategy_;
   LightningModule* configured_module_ = nullptr;  // configure_model + setup_module done
+  // bf16-mixed / 16-mixed that the strategy leaves to the Trainer: the CPU autocast dtype.
+  std::optional<at::ScalarType> cpu_autocast_;
   int64_t global_step_ = 0;
   int64_t current_epoch_ = 0;
   FitResults results_;
@@ -240,15 +253,6 @@ class Trainer {
   std::map<std::string, double> callback_metrics_;
   std::vector<CallbackPtr> fit_callbacks_;  // options_.callbacks + the checkpoint_dir sugar
   std::unique_ptr<ShardedGradScaler> grad_scaler_;  // "16-mixed" only
-};
-
-// "single": one process, no communication; world size must be 1.
-class SingleDeviceStrategy : public Strategy {
- public:
-  std::string name() const override { return "single"; }
-  void connect(ProcessGroupPtr world, const LaunchInfo& launch) override;
-  void setup_module(LightningModule& module) override;
-  double clip_grad_norm(LightningModule& module, double max_norm) override;
 };
 
 }  // namespace fsdp

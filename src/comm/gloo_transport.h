@@ -1,5 +1,6 @@
-// Gloo backend: c10d::ProcessGroupGloo over TCP, rendezvous through a c10d::TCPStore hosted by
-// rank 0 at MASTER_ADDR:MASTER_PORT.
+// Gloo backend: the Gloo library over TCP (one gloo::Context per group), rendezvous through a
+// c10d::TCPStore hosted by rank 0 at MASTER_ADDR:MASTER_PORT. See Note [Gloo backend] in
+// docs/design.md.
 #pragma once
 
 #include "comm/process_group_impl.h"
@@ -26,8 +27,8 @@ struct GlooWorld {
   c10::intrusive_ptr<c10d::Store> monitor_store;
 };
 
-// Collective over all ranks: connects to (or, on rank 0, hosts) the store and builds the world
-// ProcessGroupGloo.
+// Collective over all ranks: connects to (or, on rank 0, hosts) the store and connects the
+// world's full mesh.
 GlooWorld make_gloo_world(const GlooWorldOptions& options);
 
 }  // namespace fsdp::detail

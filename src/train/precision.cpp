@@ -176,12 +176,13 @@ void check_optimizer_precision(const torch::optim::Optimizer& optimizer, Precisi
   }
 }
 
-CpuAutocastGuard::CpuAutocastGuard(bool enabled, at::ScalarType dtype) : enabled_(enabled) {
+CpuAutocastGuard::CpuAutocastGuard(std::optional<at::ScalarType> dtype)
+    : enabled_(dtype.has_value()) {
   if (!enabled_) return;
   prev_enabled_ = at::autocast::is_autocast_enabled(at::kCPU);
   prev_dtype_ = at::autocast::get_autocast_dtype(at::kCPU);
   at::autocast::set_autocast_enabled(at::kCPU, true);
-  at::autocast::set_autocast_dtype(at::kCPU, dtype);
+  at::autocast::set_autocast_dtype(at::kCPU, *dtype);
   at::autocast::increment_nesting();
 }
 
