@@ -14,7 +14,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <limits>
 
 #include <unistd.h>
@@ -44,13 +43,9 @@ struct RunResult {
   std::vector<int64_t> reduce_scatter_bytes;  // per step
 };
 
-// Sets up `lm` under `strategy` and trains `steps` steps on this rank's share of the global
-// batches (fully_shard_common.h), counting the bytes the world group moved in each step.
-// `inspect` runs after backward, before the optimizer step (sharded grads present). With a
-// `scaler` the loop is the Trainer's 16-mixed one: scaled loss, unscale, step unless inf/nan.
-RunResult train(fsdp::FSDPStrategy& strategy, TinyLM& lm, int steps,
-          const std::function<void(torch::optim::Optimizer&)>& inspect = {},
-          fsdp::ShardedGradScaler* scaler = nullptr) {
+// Connects `strategy` to the world group, builds and shards `lm` under it; returns its optimizer
+// (set up by the strategy).
+std::shared_ptr<torch::optim::Optimizer> setup(fsdp::FSDPStrategy& strategy, TinyLM& lm) {
   auto world = fsdp::world_group();
   fsdp::LaunchInfo launch;
   launch.rank = world->rank();
@@ -61,6 +56,18 @@ RunResult train(fsdp::FSDPStrategy& strategy, TinyLM& lm, int steps,
   strategy.setup_module(lm);
   auto opt = lm.configure_optimizers().optimizer;
   strategy.setup_optimizer(*opt);
+  return opt;
+}
+
+// Sets up `lm` under `strategy` and trains `steps` steps on this rank's share of the global
+// batches (fully_shard_common.h), counting the bytes the world group moved in each step.
+// `inspect` runs after backward, before the optimizer step (sharded grads present). With a
+// `scaler` the loop is the Trainer's 16-mixed one: scaled loss, unscale, step unless inf/nan.
+RunResult train(fsdp::FSDPStrategy& strategy, TinyLM& lm, int steps,
+          const std::function<void(torch::optim::Optimizer&)>& inspect = {},
+          fsdp::ShardedGradScaler* scaler = nullptr) {
+  auto world = fsdp::world_group();
+  auto opt = setup(strategy, lm);
   const int64_t rows = 12 / world->size();
   RunResult run;
   for (int step = 0; step < steps; ++step) {
@@ -201,26 +208,19 @@ void fp16_mixed_tracks_fp32(int world_size, const std::string& backend) {
 
 TEST(Precision, Fp16MixedFullShardTracksFp32World2) { fp16_mixed_tracks_fp32(2, "gloo"); }
 TEST(Precision, Fp16MixedFullShardTracksFp32World3) { fp16_mixed_tracks_fp32(3, "gloo"); }
+TEST(Precision, Fp16MixedFullShardTracksFp32World2Mpi) { fp16_mixed_tracks_fp32(2, "mpi"); }
 TEST(Precision, Fp16MixedFullShardTracksFp32World3Mpi) { fp16_mixed_tracks_fp32(3, "mpi"); }
 
 // The grad scaler under FSDP 16-mixed: (1) an initial scale too large for fp16 overflows the
 // backward; every rank skips (parameters bitwise unchanged) and halves the scale, until steps
 // run; (2) later, a NaN injected into the last rank's gradient shard only makes every rank
 // skip that step together.
-void fp16_scaler_skips_together(int world_size) {
-  fsdp::testing::run_ranks(world_size, "gloo", [](fsdp::ProcessGroup&) {
+void fp16_scaler_skips_together(int world_size, const std::string& backend) {
+  fsdp::testing::run_ranks(world_size, backend, [](fsdp::ProcessGroup&) {
     auto world = fsdp::world_group();
     TinyLM lm;
     fsdp::FSDPStrategy strategy(full_shard(fsdp::fp16_mixed_policy()));
-    fsdp::LaunchInfo launch;
-    launch.rank = world->rank();
-    launch.world_size = world->size();
-    launch.local_world_size = world->size();
-    strategy.connect(world, launch);
-    fsdp::configure_model_with(strategy, lm);
-    strategy.setup_module(lm);
-    auto opt = lm.configure_optimizers().optimizer;
-    strategy.setup_optimizer(*opt);
+    auto opt = setup(strategy, lm);
     fsdp::GradScalerOptions so;
     so.init_scale = 16777216.0;  // 2^24: d(loss)/d(logits) alone is ~2^24/48 > fp16 max 65504
     fsdp::ShardedGradScaler scaler(world, so);
@@ -281,8 +281,15 @@ void fp16_scaler_skips_together(int world_size) {
   });
 }
 
-TEST(Precision, Fp16GradScalerSkipsOnEveryRankUnderFullShardWorld2) { fp16_scaler_skips_together(2); }
-TEST(Precision, Fp16GradScalerSkipsOnEveryRankUnderFullShardWorld3) { fp16_scaler_skips_together(3); }
+TEST(Precision, Fp16GradScalerSkipsOnEveryRankUnderFullShardWorld2) {
+  fp16_scaler_skips_together(2, "gloo");
+}
+TEST(Precision, Fp16GradScalerSkipsOnEveryRankUnderFullShardWorld3) {
+  fp16_scaler_skips_together(3, "gloo");
+}
+TEST(Precision, Fp16GradScalerSkipsOnEveryRankUnderFullShardWorld3Mpi) {
+  fp16_scaler_skips_together(3, "mpi");
+}
 
 // The other sharding strategies under a policy: SHARD_GRAD_OP (params kept unsharded through
 // backward), NO_SHARD (shard group of one rank: S is the whole fp32 parameter, P its bf16 copy,
@@ -667,23 +674,7 @@ TEST(Precision, CpuMatmulProbeAcceptsFp16AndNamesWhatIsMissing) {
 // --- fsdp-train: 16-mixed under DDP and FSDP at worlds 2 and 3, the way users run it ----------
 
 nlohmann::json cli_summary(const std::vector<std::string>& extra, const std::string& tag) {
-  const auto dir = std::filesystem::temp_directory_path() /
-                   ("fsdp_test_precision_cli_" + std::to_string(::getpid()) + "_" + tag);
-  std::filesystem::create_directories(dir);
-  std::vector<std::string> argv = {fsdp::testing::bin_path("fsdp-train"),
-                                   "--model", "transformer-tiny", "--data", "synthetic",
-                                   "--dropout", "0", "--seed", "7", "--max-steps", "10",
-                                   "--no-progress-bar", "--default-root-dir",
-                                   (dir / "logs").string(), "--summary-json",
-                                   (dir / "summary.json").string()};
-  argv.insert(argv.end(), extra.begin(), extra.end());
-  auto r = fsdp::testing::run_process(argv, {}, 300);
-  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
-  std::ifstream f(dir / "summary.json");
-  EXPECT_TRUE(f.good()) << "no --summary-json written\n" << r.out << r.err;
-  nlohmann::json j = f.good() ? nlohmann::json::parse(f) : nlohmann::json::object();
-  std::filesystem::remove_all(dir);
-  return j;
+  return fsdp::testing::fsdp_train_summary(extra, "precision_" + tag);
 }
 
 // 16-mixed on `world` ranks with `strategy` (global batch 12) against 32-true in one process on

@@ -118,21 +118,22 @@ void check_precision_supported(Precision precision) {
                              std::string("[precision] '") + to_string(precision) + "'");
 }
 
-MixedPrecisionPolicy bf16_mixed_policy() {
+namespace {
+
+// All-gather, compute, reduce-scatter and buffers in `dtype` (Lightning's FSDPPrecision).
+MixedPrecisionPolicy uniform_policy(at::ScalarType dtype) {
   MixedPrecisionPolicy p;
-  p.param_dtype = at::kBFloat16;
-  p.reduce_dtype = at::kBFloat16;
-  p.buffer_dtype = at::kBFloat16;
+  p.param_dtype = dtype;
+  p.reduce_dtype = dtype;
+  p.buffer_dtype = dtype;
   return p;
 }
 
-MixedPrecisionPolicy fp16_mixed_policy() {
-  MixedPrecisionPolicy p;
-  p.param_dtype = at::kHalf;
-  p.reduce_dtype = at::kHalf;
-  p.buffer_dtype = at::kHalf;
-  return p;
-}
+}  // namespace
+
+MixedPrecisionPolicy bf16_mixed_policy() { return uniform_policy(at::kBFloat16); }
+
+MixedPrecisionPolicy fp16_mixed_policy() { return uniform_policy(at::kHalf); }
 
 std::optional<MixedPrecisionPolicy> mixed_precision_policy(Precision precision) {
   if (precision == Precision::kBf16Mixed) return bf16_mixed_policy();
