@@ -40,14 +40,6 @@ namespace fsdp::demos {
 // attend to positions <= t). Same as nn.Transformer.generate_square_subsequent_mask.
 at::Tensor causal_mask(int64_t t, const at::TensorOptions& options = at::kFloat);
 
-// Multi-head attention like torch.nn.MultiheadAttention (fused in-projection weight (3E, E) and
-// bias (3E), out_proj (E, E) + bias, dropout on the attention weights), but batch first:
-//   forward({query, key_value, attn_mask})
-//     query      (B, T, E)
-//     key_value  (B, S, E), or undefined for self-attention (key = value = query)
-//     attn_mask  (T, S) additive float mask, or undefined for none
-//   returns      (B, T, E)
-// Heads are computed together with batched matmuls (no per-head loop).
 // Which kernel computes softmax(q k^T / sqrt(D) + mask) v inside MultiheadAttention.
 // See Note [Attention kernel] in src/models/attention.cpp for the measurements behind kAuto.
 enum class AttentionKernel {
@@ -70,6 +62,14 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                      const at::Tensor& mask, double dropout_p,
                      AttentionKernel kernel = AttentionKernel::kAuto);
 
+// Multi-head attention like torch.nn.MultiheadAttention (fused in-projection weight (3E, E) and
+// bias (3E), out_proj (E, E) + bias, dropout on the attention weights), but batch first:
+//   forward({query, key_value, attn_mask})
+//     query      (B, T, E)
+//     key_value  (B, S, E), or undefined for self-attention (key = value = query)
+//     attn_mask  (T, S) additive float mask, or undefined for none
+//   returns      (B, T, E)
+// Heads are computed together (batched matmuls or one SDPA call; no per-head loop).
 class MultiheadAttention : public fsdp::nn::Module {
  public:
   MultiheadAttention(int64_t embed_dim, int64_t num_heads, double dropout = 0.0);
