@@ -134,7 +134,9 @@ void on_rank0_exit(int status, void*) {
   }
 }
 
-// Intra-op threads: cores / local ranks (DESIGN.md §2: the default here is 1 thread).
+// Intra-op threads: cores / local ranks. libtorch 2.13 defaults to one thread per core, which
+// oversubscribes the cores as soon as two ranks share them (docs/design.md "Facts about
+// libtorch 2.13 on this machine": ~1000x slower matmuls under load).
 void set_threads(int local_ranks) {
   at::set_num_threads(threads_per_rank(local_ranks));
 }

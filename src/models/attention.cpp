@@ -41,9 +41,11 @@ namespace {
 // path otherwise (the same softmax + dropout + matmuls as the manual kernel, after scaling q
 // and k by sqrt(scale) each). Measured with `fsdp-bench attention` (forward + backward of the
 // kernel alone, 1 intra-op thread as each rank has at world 2; AMD EPYC with AVX-512 BF16 and
-// no AMX; machine shared, so ratios from repeated runs; numbers in docs/design.md):
+// no AMX; machine shared, so ratios from repeated runs; the 35-token numbers of the latest
+// run are in docs/design.md "Facts about libtorch 2.13 on this machine"):
 //   - bf16: the manual kernel (oneDNN bf16 matmuls) wins everywhere: SDPA's flash kernel is
-//     5-30x slower at 35 tokens and 1.1-3x slower at 256-1024.
+//     5-30x slower at 35 tokens (40-350x in the latest, loaded run) and 1.1-3x slower at
+//     256-1024.
 //   - dropout > 0: SDPA takes the math path and is 0.75-0.95x of the manual kernel.
 //   - fp32 without dropout: parity at 35 tokens (the benchmark block), 0.9-1.2x at 128, and
 //     1.1-1.65x faster at 256, 1.5-1.75x at 1024 (2-2.5x with is_causal instead of the mask).
