@@ -22,6 +22,18 @@ using fsdp::testing::TinyLM;
 
 namespace {
 
+// Expects got[s] within `tolerance` of want[s] at every step; returns the largest difference.
+double expect_losses_near(const std::vector<double>& got, const std::vector<double>& want,
+                          double tolerance) {
+  EXPECT_EQ(got.size(), want.size());
+  double max_diff = 0;
+  for (size_t s = 0; s < std::min(got.size(), want.size()); ++s) {
+    EXPECT_NEAR(got[s], want[s], tolerance) << "step " << s;
+    max_diff = std::max(max_diff, std::abs(got[s] - want[s]));
+  }
+  return max_diff;
+}
+
 // Stated tolerance: per-step global-mean loss of bf16-mixed within 0.05 (absolute; the loss
 // starts near ln 64 = 4.16) of the fp32 run over 50 steps. bf16 keeps 8 mantissa bits
 // (relative rounding 2^-9 = 0.002 per operation); the measured maximum is printed.
@@ -117,11 +129,7 @@ void bf16_mixed_tracks_fp32(int world_size) {
       }
     });
 
-    double max_diff = 0;
-    for (int s = 0; s < kSteps; ++s) {
-      max_diff = std::max(max_diff, std::abs(got.losses[s] - ref.losses[s]));
-      EXPECT_NEAR(got.losses[s], ref.losses[s], kBf16LossTolerance) << "step " << s;
-    }
+    const double max_diff = expect_losses_near(got.losses, ref.losses, kBf16LossTolerance);
     EXPECT_LT(ref.losses.back(), ref.losses.front() - 0.1) << "the fp32 run must learn";
     EXPECT_LT(got.losses.back(), got.losses.front() - 0.1) << "the bf16 run must learn";
     EXPECT_GT(max_diff, 0.0) << "bf16 rounding must show: did the policy apply?";
@@ -184,11 +192,7 @@ void fp16_mixed_tracks_fp32(int world_size, const std::string& backend) {
         },
         &scaler);
 
-    double max_diff = 0;
-    for (int s = 0; s < kSteps; ++s) {
-      max_diff = std::max(max_diff, std::abs(got.losses[s] - ref.losses[s]));
-      EXPECT_NEAR(got.losses[s], ref.losses[s], kFp16LossTolerance) << "step " << s;
-    }
+    const double max_diff = expect_losses_near(got.losses, ref.losses, kFp16LossTolerance);
     EXPECT_LT(got.losses.back(), got.losses.front() - 0.1) << "the fp16 run must learn";
     EXPECT_GT(max_diff, 0.0) << "fp16 rounding must show: did the policy apply?";
     EXPECT_LT(scaler.skipped_steps(), 3) << "the default scale should rarely overflow here";
@@ -443,12 +447,7 @@ TEST(Precision, Bf16MixedTrainerTracksFp32UnderFsdpAndSingle) {
     EXPECT_EQ(lm.named_buffers()["running_scale"].scalar_type(),
               is_fsdp ? at::kBFloat16 : at::kFloat);
     const auto& got = trainer.results().losses;
-    ASSERT_EQ(got.size(), want.size());
-    double max_diff = 0;
-    for (size_t i = 0; i < got.size(); ++i) {
-      EXPECT_NEAR(got[i], want[i], kBf16LossTolerance) << "step " << i;
-      max_diff = std::max(max_diff, std::abs(got[i] - want[i]));
-    }
+    const double max_diff = expect_losses_near(got, want, kBf16LossTolerance);
     EXPECT_GT(max_diff, 0.0) << "bf16 compute must round differently from fp32";
     if (std::string(strategy) == "fsdp") {
       auto* fsdp = dynamic_cast<fsdp::FSDPStrategy*>(trainer.strategy().get());
@@ -508,12 +507,7 @@ TEST(Precision, Fp16MixedTrainerTracksFp32UnderFsdpAndSingle) {
     ASSERT_NE(trainer->grad_scaler(), nullptr);
     EXPECT_EQ(trainer->results().skipped_steps, trainer->grad_scaler()->skipped_steps());
     const auto& got = trainer->results().losses;
-    ASSERT_EQ(got.size(), want.size());
-    double max_diff = 0;
-    for (size_t i = 0; i < got.size(); ++i) {
-      EXPECT_NEAR(got[i], want[i], kFp16LossTolerance) << "step " << i;
-      max_diff = std::max(max_diff, std::abs(got[i] - want[i]));
-    }
+    const double max_diff = expect_losses_near(got, want, kFp16LossTolerance);
     EXPECT_GT(max_diff, 0.0) << "fp16 compute must round differently from fp32";
     if (is_fsdp) {
       auto* fsdp = dynamic_cast<fsdp::FSDPStrategy*>(trainer->strategy().get());
@@ -695,12 +689,7 @@ void cli_fp16_mixed_tracks_fp32(const std::string& strategy) {
     EXPECT_EQ(got["precision"], "16-mixed");
     const auto a = got["losses"].get<std::vector<double>>();
     const auto b = want["losses"].get<std::vector<double>>();
-    ASSERT_EQ(a.size(), b.size());
-    double max_diff = 0;
-    for (size_t s = 0; s < a.size(); ++s) {
-      EXPECT_NEAR(a[s], b[s], kFp16LossTolerance) << "step " << s;
-      max_diff = std::max(max_diff, std::abs(a[s] - b[s]));
-    }
+    const double max_diff = expect_losses_near(a, b, kFp16LossTolerance);
     EXPECT_GT(max_diff, 0.0) << "fp16 compute must round differently from fp32";
     std::printf("[precision] fsdp-train %s world %d 16-mixed: max |loss diff| %.5f vs 32-true "
                 "single, %lld skipped steps\n",
