@@ -181,7 +181,7 @@ void fp16_mixed_tracks_fp32(int world_size, const std::string& backend) {
         [&](torch::optim::Optimizer&) {
           if (inspected) return;
           inspected = true;
-          for (auto* p : fp16.state().all_params()) {
+          for (auto* p : fsdp::detail::state_of(fp16).all_params()) {
             EXPECT_EQ(p->unsharded().scalar_type(), at::kHalf) << p->fqn();
             EXPECT_EQ(p->sharded().scalar_type(), at::kFloat) << p->fqn();
             if (p->requires_grad()) {
@@ -515,7 +515,7 @@ TEST(Precision, Fp16MixedTrainerTracksFp32UnderFsdpAndSingle) {
       ASSERT_TRUE(fsdp->options().mixed_precision.has_value());
       EXPECT_EQ(fsdp->options().mixed_precision->param_dtype, at::kHalf);
       EXPECT_EQ(fsdp->options().mixed_precision->reduce_dtype, at::kHalf);
-      for (auto* p : fsdp->state().all_params()) {
+      for (auto* p : fsdp::detail::state_of(*fsdp).all_params()) {
         EXPECT_EQ(p->unsharded().scalar_type(), at::kHalf) << p->fqn();
       }
     }
