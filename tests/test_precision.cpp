@@ -271,8 +271,12 @@ void fp16_scaler_skips_together(int world_size, const std::string& backend) {
       } else if (first_step_taken < 0) {
         first_step_taken = step;
       }
-      if (step == kInjectAt) EXPECT_FALSE(stepped) << "the injected NaN must skip the step";
-      if (step == kInjectAt - 1) EXPECT_TRUE(stepped) << "expected clean steps before the NaN";
+      if (step == kInjectAt) {
+        EXPECT_FALSE(stepped) << "the injected NaN must skip the step";
+      }
+      if (step == kInjectAt - 1) {
+        EXPECT_TRUE(stepped) << "expected clean steps before the NaN";
+      }
     }
     EXPECT_FALSE(unchanged(initial)) << "no step ran";
     EXPECT_GE(first_step_taken, 1) << "2^24 must overflow fp16 at first";
@@ -539,7 +543,9 @@ struct OverflowOnceLM : TinyLM {
     // Gradients are unscaled before this hook (as Lightning): finite ones are loss-sized.
     if (hooks == 2) {
       for (auto& p : parameters()) {
-        if (p.grad().defined()) EXPECT_LT(p.grad().abs().max().item<double>(), 100.0);
+        if (p.grad().defined()) {
+          EXPECT_LT(p.grad().abs().max().item<double>(), 100.0);
+        }
       }
     }
   }
