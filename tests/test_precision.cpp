@@ -34,6 +34,19 @@ double expect_losses_near(const std::vector<double>& got, const std::vector<doub
   return max_diff;
 }
 
+// Unsharded parameters (what computes) are in `compute` (and hold no memory after backward); the
+// sharded parameters and their gradients are fp32.
+void expect_master_fp32(fsdp::FSDPStrategy& strategy, at::ScalarType compute) {
+  for (auto* p : fsdp::detail::state_of(strategy).all_params()) {
+    EXPECT_EQ(p->unsharded().scalar_type(), compute) << p->fqn();
+    EXPECT_EQ(p->sharded().scalar_type(), at::kFloat) << p->fqn();
+    if (p->requires_grad()) {
+      ASSERT_TRUE(p->sharded().grad().defined()) << p->fqn();
+      EXPECT_EQ(p->sharded().grad().scalar_type(), at::kFloat) << p->fqn();
+    }
+  }
+}
+
 // Stated tolerance: per-step global-mean loss of bf16-mixed within 0.05 (absolute; the loss
 // starts near ln 64 = 4.16) of the fp32 run over 50 steps. bf16 keeps 8 mantissa bits
 // (relative rounding 2^-9 = 0.002 per operation); the measured maximum is printed.
@@ -117,16 +130,7 @@ void bf16_mixed_tracks_fp32(int world_size) {
     RunResult got = train(bf16, lm, kSteps, [&](torch::optim::Optimizer&) {
       if (inspected) return;
       inspected = true;
-      // Unsharded parameters (what computes) are bf16 and hold no memory now; the sharded
-      // parameters and their gradients are fp32.
-      for (auto* p : fsdp::detail::state_of(bf16).all_params()) {
-        EXPECT_EQ(p->unsharded().scalar_type(), at::kBFloat16) << p->fqn();
-        EXPECT_EQ(p->sharded().scalar_type(), at::kFloat) << p->fqn();
-        if (p->requires_grad()) {
-          ASSERT_TRUE(p->sharded().grad().defined()) << p->fqn();
-          EXPECT_EQ(p->sharded().grad().scalar_type(), at::kFloat) << p->fqn();
-        }
-      }
+      expect_master_fp32(bf16, at::kBFloat16);
     });
 
     const double max_diff = expect_losses_near(got.losses, ref.losses, kBf16LossTolerance);
@@ -181,14 +185,7 @@ void fp16_mixed_tracks_fp32(int world_size, const std::string& backend) {
         [&](torch::optim::Optimizer&) {
           if (inspected) return;
           inspected = true;
-          for (auto* p : fsdp::detail::state_of(fp16).all_params()) {
-            EXPECT_EQ(p->unsharded().scalar_type(), at::kHalf) << p->fqn();
-            EXPECT_EQ(p->sharded().scalar_type(), at::kFloat) << p->fqn();
-            if (p->requires_grad()) {
-              ASSERT_TRUE(p->sharded().grad().defined()) << p->fqn();
-              EXPECT_EQ(p->sharded().grad().scalar_type(), at::kFloat) << p->fqn();
-            }
-          }
+          expect_master_fp32(fp16, at::kHalf);
         },
         &scaler);
 
