@@ -9,6 +9,7 @@
 // line and exits 2; an error during the run prints "[rank R] error: ..." once and exits 1 (all
 // ranks stop).
 #include <fsdp/checkpoint.h>
+#include <fsdp/cpu_adam.h>
 #include <fsdp/fsdp.h>
 
 #include <CLI/CLI.hpp>
@@ -140,6 +141,14 @@ class LanguageModel : public fsdp::LightningModule {
     if (optimizer_ == "adamw") {
       return {std::make_shared<torch::optim::AdamW>(
           parameters(), torch::optim::AdamWOptions(lr_).weight_decay(wd_).eps(eps_))};
+    }
+    if (optimizer_ == "cpu_adam" || optimizer_ == "cpu_adamw") {
+      // fsdp::optim::CPUAdam: libtorch's Adam / AdamW math in one fused vectorized pass.
+      fsdp::optim::CPUAdamOptions o;
+      o.lr = lr_;
+      o.weight_decay = wd_;
+      o.adamw_mode = optimizer_ == "cpu_adamw";
+      return {std::make_shared<fsdp::optim::CPUAdam>(parameters(), o)};
     }
     if (optimizer_ == "sgd") {
       return {std::make_shared<torch::optim::SGD>(
@@ -581,8 +590,9 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   app.add_option("--dropout", a.dropout, "dropout probability")->check(CLI::Range(0.0, 1.0));
   // Optimizer
-  app.add_option("--optimizer", a.optimizer, "adam | adamw | sgd")
-      ->check(CLI::IsMember({"adam", "adamw", "sgd"}));
+  app.add_option("--optimizer", a.optimizer,
+                 "adam | adamw | sgd | cpu_adam | cpu_adamw (fused CPU Adam / AdamW, fsdp::optim::CPUAdam)")
+      ->check(CLI::IsMember({"adam", "adamw", "sgd", "cpu_adam", "cpu_adamw"}));
   app.add_option("--lr", a.lr, "learning rate")->check(CLI::PositiveNumber);
   app.add_option("--weight-decay", a.weight_decay, "weight decay")->check(CLI::NonNegativeNumber);
   app.add_option("--adam-eps", a.adam_eps,

@@ -7,6 +7,7 @@
 
 #include "fsdp/activation_checkpointing.h"
 #include "fsdp/comm.h"
+#include "fsdp/cpu_adam.h"
 #include "fsdp/data.h"
 #include "fsdp/ddp.h"
 #include "fsdp/fsdp_strategy.h"

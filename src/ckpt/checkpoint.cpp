@@ -3,6 +3,7 @@
 #include "fsdp/checkpoint.h"
 
 #include "ckpt/layout.h"
+#include "fsdp/cpu_adam.h"
 #include "fsdp/strategy.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -86,11 +87,13 @@ void* state_key(const at::Tensor& p) {
 }
 
 std::string optimizer_kind(torch::optim::Optimizer& opt) {
+  // fsdp::optim::CPUAdam keeps libtorch's AdamW / Adam state: its checkpoints are theirs.
+  if (auto* cpu = dynamic_cast<fsdp::optim::CPUAdam*>(&opt)) return cpu->adamw_mode() ? "adamw" : "adam";
   if (dynamic_cast<torch::optim::AdamW*>(&opt)) return "adamw";
   if (dynamic_cast<torch::optim::Adam*>(&opt)) return "adam";
   if (dynamic_cast<torch::optim::SGD*>(&opt)) return "sgd";
   TORCH_CHECK(false, "[checkpoint] optimizer state of this optimizer type is not supported yet "
-              "(supported: Adam, AdamW, SGD); save weights only (optimizer = nullptr)");
+              "(supported: Adam, AdamW, SGD, fsdp::optim::CPUAdam); save weights only (optimizer = nullptr)");
 }
 
 // (stat name, tensor) of one parameter's optimizer state; empty when it has none yet.
