@@ -9,6 +9,7 @@
 #include "fsdp/comm.h"
 #include "fsdp/data.h"
 #include "fsdp/ddp.h"
+#include "fsdp/deepspeed.h"
 #include "fsdp/fsdp_strategy.h"
 #include "fsdp/init.h"
 #include "fsdp/launcher.h"
