@@ -202,10 +202,9 @@ void ZeroPartitioner::launch(int index) {
   Bucket& b = buckets_[index];
   const int W = group_->size();
   at::NoGradGuard no_grad;
-  bool any = false;
-  for (int i : b.params) any = any || params_[i].param.grad().defined();
   b.launched = true;
-  if (!any) return;  // no gradient reached this bucket (frozen by use): nothing to reduce
+  // Every rank launches every bucket, in order, also one that received no gradient on this
+  // rank (unused parameters: zeros), so the collectives match across ranks.
   b.input = at::zeros({W * b.chunk}, params_[b.params.front()].param.options());
   for (int i : b.params) {
     ZeroParam& p = params_[i];
@@ -236,7 +235,12 @@ void ZeroPartitioner::finish(int index) {
   at::NoGradGuard no_grad;
   for (int i : b.params) {
     ZeroParam& p = params_[i];
-    if (p.rows.size() == 0) continue;
+    if (p.rows.size() == 0) {
+      // A rank past the parameter's last row: an empty gradient, so that the optimizer keeps
+      // (empty) state for it on every rank and checkpoints list the same tensors everywhere.
+      if (!p.partition.grad().defined()) p.partition.mutable_grad() = at::zeros_like(p.partition);
+      continue;
+    }
     at::Tensor mine =
         b.output.narrow(0, p.offset, p.rows.size() * p.row_numel).view(p.partition.sizes());
     if (p.partition.grad().defined()) {
@@ -260,7 +264,9 @@ void ZeroPartitioner::reduce_all_defined() {
 
 void ZeroPartitioner::finish_backward(bool sync) {
   if (options_.reduction == GradReduction::kAtBoundary) {
-    if (sync) reduce_all_defined();
+    if (!sync) return;  // gradients keep accumulating whole until the step's last micro-batch
+    for (int i = 0; i < static_cast<int>(buckets_.size()); ++i) launch(i);
+    if (in_flight_ >= 0) finish(in_flight_);
     return;
   }
   if (!armed_) return;
@@ -268,8 +274,9 @@ void ZeroPartitioner::finish_backward(bool sync) {
   // Buckets still waiting for a gradient that never came (unused parameters), in order.
   while (next_to_launch_ < static_cast<int>(buckets_.size())) launch(next_to_launch_++);
   if (in_flight_ >= 0) finish(in_flight_);
-  // Gradients accumulated after their bucket launched (a parameter used twice in one step, in
-  // a nested backward): reduced now, the reduction is linear.
+  // Gradients accumulated after their bucket launched (a second accumulation into a parameter,
+  // from a nested backward such as reentrant activation checkpointing; the same on every rank):
+  // reduced now, the reduction is linear.
   reduce_all_defined();
 }
 
