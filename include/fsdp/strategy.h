@@ -151,6 +151,13 @@ class Strategy {
 };
 using StrategyPtr = std::shared_ptr<Strategy>;
 
+// Clips `grads` -- disjoint parts of the model's gradients, spread over the ranks of `group`
+// (shards, partitions; zero padding allowed) -- to a global L2 norm of at most max_norm, as
+// torch.nn.utils.clip_grad_norm_ would over the whole gradients: the sums of squares are
+// all-reduced over the group. Returns the norm before clipping. Collective over `group`.
+double clip_grad_norm_of_parts(const std::vector<at::Tensor>& grads, ProcessGroup& group,
+                               double max_norm);
+
 // The strategy whose configure_model context is active (nullptr outside configure_model).
 Strategy* active_strategy();
 

@@ -289,16 +289,7 @@ double DeepSpeedStrategy::clip_grad_norm(LightningModule& module, double max_nor
       }
     }
   }
-  at::NoGradGuard no_grad;
-  at::Tensor total = at::zeros({1}, at::kDouble);
-  for (auto& g : grads) total += g.detach().to(at::kDouble).pow(2).sum();
-  if (world_->size() > 1) world_->all_reduce(total, ReduceOp::kSum);
-  const double norm = std::sqrt(total.item<double>());
-  const double coef = max_norm / (norm + 1e-6);
-  if (coef < 1.0) {
-    for (auto& g : grads) g.mul_(coef);
-  }
-  return norm;
+  return clip_grad_norm_of_parts(grads, *world_, max_norm);
 }
 
 void DeepSpeedStrategy::optimizer_step(torch::optim::Optimizer& optimizer) {
