@@ -135,15 +135,16 @@ TEST(DeepSpeed, Bf16MixedMatchesDdpAndTracksSingleWorld2And3) {
 
 namespace {
 
-// Four 128x128 layers: 66,048 parameters (264 KiB fp32) against ~4 KiB of activations, and
-// every dim-0 divisible by 4 (no padding).
+// Sixteen 64x64 layers: 66,560 parameters (260 KiB fp32) against a few KiB of activations,
+// every dim-0 divisible by 4 (no padding), and one-layer buckets small against the model (with
+// four layers, two buckets in flight cost as much as stage 2 saves over stage 1).
 struct WideNet : fsdp::LightningModule {
   std::vector<torch::nn::Linear> layers;
   void configure_model() override {
     if (!layers.empty()) return;
     torch::manual_seed(5);
-    for (int i = 0; i < 4; ++i) {
-      layers.push_back(register_module("l" + std::to_string(i), torch::nn::Linear(128, 128)));
+    for (int i = 0; i < 16; ++i) {
+      layers.push_back(register_module("l" + std::to_string(i), torch::nn::Linear(64, 64)));
     }
   }
   at::Tensor training_step(const fsdp::Batch& batch, int64_t) override {
@@ -181,8 +182,8 @@ StateBytes measure(int stage) {
     WideNet net;
     fsdp::DeepSpeedOptions o;
     o.stage = stage;
-    o.reduce_bucket_size = 128 * 128 + 128;  // one layer per bucket
-    o.allgather_bucket_size = 128 * 128 + 128;
+    o.reduce_bucket_size = 64 * 64 + 64;  // one layer per bucket
+    o.allgather_bucket_size = 64 * 64 + 64;
     o.stage3_param_persistence_threshold = 0;
     auto s = connected(o);
     fsdp::configure_model_with(*s, net);
@@ -192,7 +193,7 @@ StateBytes measure(int stage) {
     const int rank = s->rank();
     for (int step = 0; step < 2; ++step) {  // step 1 creates Adam's state; step 2 is measured
       auto gen = at::make_generator<at::CPUGeneratorImpl>(77 + rank);
-      fsdp::Batch b{at::randn({2, 128}, gen), at::randn({2, 128}, gen)};
+      fsdp::Batch b{at::randn({2, 64}, gen), at::randn({2, 64}, gen)};
       if (step == 1) fsdp::reset_peak_memory_stats();
       s->pre_forward(net, true);
       at::Tensor loss = net.training_step(b, step);
@@ -217,7 +218,7 @@ TEST(DeepSpeedMemory, ModelStateBytesMatchZeroFormulasWorld4) {
   fsdp::testing::run_ranks(4, "gloo", [](fsdp::ProcessGroup& world) {
     fsdp::install_tracking_allocator();
     const double W = world.size();
-    const double psi = 4 * (128 * 128 + 128);
+    const double psi = 16 * (64 * 64 + 64);  // parameters
     StateBytes s1 = measure(1), s2 = measure(2), s3 = measure(3);
     // fp32 with Adam: stage 1 4+4+8/N, stage 2 4+12/N, stage 3 16/N bytes per parameter.
     const double f1 = (4 + 4 + 8 / W) * psi, f2 = (4 + 12 / W) * psi, f3 = 16 / W * psi;
@@ -229,12 +230,12 @@ TEST(DeepSpeedMemory, ModelStateBytesMatchZeroFormulasWorld4) {
     EXPECT_LT(s2.backward_peak, s1.after_backward);
     // Bound: the final state, two one-layer buckets in flight (input W x chunk + output chunk),
     // at most two layers' whole gradients waiting for their bucket, activations (< 64 KiB).
-    const double layer = psi / 4;
+    const double layer = 4 * psi / 16;  // bytes of one layer's gradients
     EXPECT_LT(s2.backward_peak, f2 + 2 * (1 + 1 / W) * layer + 2 * layer + 64 * 1024);
     if (world.rank() == 0) {
       std::printf("[zero memory] psi %.0f params, world 4: stage 1 %lld B (formula %.0f), stage 2 "
                   "%lld B (formula %.0f, backward peak %lld), stage 3 %lld B (formula %.0f)\n",
-                  psi / 4, (long long)s1.after_backward, f1, (long long)s2.after_post_backward,
+                  psi, (long long)s1.after_backward, f1, (long long)s2.after_post_backward,
                   f2, (long long)s2.backward_peak, (long long)s3.after_post_backward, f3);
     }
   });
