@@ -58,6 +58,7 @@ struct Args {
   bool dry_run = false;  // print the parameter count and memory per strategy; allocate nothing
   std::string save_batches;  // write the run's micro-batches (every rank's) here and exit
   std::string ckpt_path;
+  std::string deepspeed_config;  // DeepSpeedOptions::config (strategy deepspeed*)
 
   Args() {  // this program's defaults where they differ from the library's
     trainer.max_steps = 100;
@@ -408,6 +409,17 @@ int run(const Args& a, const ModelSpec& spec_in) {
         a.wrap_policy, fsdp::demos::layer_types(a.model == "custom" ? "transformer-tiny" : a.model));
     t.strategy = fsdp::make_fsdp_strategy(a.strategy, o);
   }
+  if (a.strategy.rfind("deepspeed", 0) == 0 || !a.deepspeed_config.empty()) {
+    // DeepSpeed ZeRO; see include/fsdp/deepspeed.h. --deepspeed-config with --strategy auto
+    // means "deepspeed", as Lightning's PL_DEEPSPEED_CONFIG_PATH with strategy="deepspeed".
+    const std::string name = a.strategy == "auto" ? "deepspeed" : a.strategy;
+    TORCH_CHECK(name.rfind("deepspeed", 0) == 0, "[fsdp-train] --deepspeed-config needs a "
+                "DeepSpeed strategy (--strategy deepspeed, deepspeed_stage_1, ...), got --strategy ",
+                a.strategy);
+    fsdp::DeepSpeedOptions o;
+    o.config = a.deepspeed_config;
+    t.strategy = fsdp::make_deepspeed_strategy(name, o);
+  }
   const fsdp::ModelCheckpointOptions& c = a.checkpoint;
   TORCH_CHECK(!c.dirpath.empty() || (c.every_n_train_steps == 0 && c.every_n_epochs == 0 &&
                                      c.monitor.empty() && c.save_top_k == -1),
@@ -635,6 +647,12 @@ int main(int argc, char** argv) {
                  "keep the K best checkpoints by --monitor (-1: all; 1 without --monitor: the "
                  "newest); others are deleted once a better one is saved")
       ->check(CLI::Range(int64_t{-1}, std::numeric_limits<int64_t>::max()));
+  auto* o_ds = app.add_option(
+      "--deepspeed-config", a.deepspeed_config,
+      "DeepSpeed JSON config for --strategy deepspeed* (auto: deepspeed); replaces the "
+      "strategy's defaults; its bf16, gradient_clipping, gradient_accumulation_steps, "
+      "train_micro_batch_size_per_gpu, optimizer and scheduler apply to the run");
+  auto* o_batch = app.get_option("--batch-size");
   app.add_option("--ckpt-path", a.ckpt_path,
                  "resume from this checkpoint (e.g. DIR/last); --max-steps counts from the start");
 
@@ -648,6 +666,26 @@ int main(int argc, char** argv) {
     std::replace(msg.begin(), msg.end(), '\n', ' ');
     std::cerr << "fsdp-train: error: " << msg << " (see fsdp-train --help)" << std::endl;
     return 2;
+  }
+
+  if (o_ds->count() > 0) {
+    // train_micro_batch_size_per_gpu is --batch-size (per rank); both given must agree.
+    try {
+      fsdp::DeepSpeedTrainingConfig dt;
+      fsdp::parse_deepspeed_config(a.deepspeed_config, &dt);
+      if (dt.train_micro_batch_size_per_gpu) {
+        if (o_batch->count() > 0 && a.batch_size != *dt.train_micro_batch_size_per_gpu) {
+          std::cerr << "fsdp-train: error: --batch-size " << a.batch_size << " but the DeepSpeed "
+                    << "config's train_micro_batch_size_per_gpu is "
+                    << *dt.train_micro_batch_size_per_gpu << "; give one of them" << std::endl;
+          return 2;
+        }
+        a.batch_size = *dt.train_micro_batch_size_per_gpu;
+      }
+    } catch (const c10::Error& e) {
+      std::cerr << "fsdp-train: error: " << e.what_without_backtrace() << std::endl;
+      return 2;
+    }
   }
 
   ModelSpec spec;

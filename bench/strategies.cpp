@@ -3,7 +3,8 @@
 //
 //   fsdp-bench strategies --model transformer-small --devices 2 [--steps 6] --json
 //
-// Runs DDP, NO_SHARD, SHARD_GRAD_OP, FULL_SHARD, FULL_SHARD + bf16-mixed (and HYBRID_SHARD at
+// Runs DDP, NO_SHARD, SHARD_GRAD_OP, FULL_SHARD, FULL_SHARD + bf16-mixed, DeepSpeed ZeRO stages
+// 1/2/3 (fsdp.cpp's native deepspeed_stage_N) (and HYBRID_SHARD at
 // world >= 4, shard group = half the ranks) on the same model, data and batch through build/bin/fsdp-train
 // --summary-json, one after the other, and reports per strategy: peak tensor MB per rank
 // (tracking allocator, max over ranks), peak RSS MB (max over ranks), it/s (first step
@@ -164,6 +165,10 @@ int run_strategies(const std::vector<std::string>& args) {
       // fp32 master shards and Adam state, bf16 all-gather/compute/reduce-scatter.
       {"FULL_SHARD+bf16-mixed", "fsdp",
        with({"--sharding-strategy", "FULL_SHARD", "--precision", "bf16-mixed"})},
+      // DeepSpeed ZeRO stages with Lightning's defaults (include/fsdp/deepspeed.h).
+      {"ZeRO-1", "deepspeed_stage_1", {}},
+      {"ZeRO-2", "deepspeed_stage_2", {}},
+      {"ZeRO-3", "deepspeed_stage_3", {}},
   };
   if (c.devices >= 4 && c.devices % 2 == 0) {
     entries.push_back({"HYBRID_SHARD", "fsdp",

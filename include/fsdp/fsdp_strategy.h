@@ -112,6 +112,12 @@ struct FSDPOptions {
   // called apply_activation_checkpointing itself in configure_model. Empty: off.
   fsdp::nn::ModuleTypes activation_checkpointing_policy;
 
+  // Parameters the engine leaves alone (FSDP2's fully_shard(ignored_params)): they stay
+  // registered whole on every rank, belong to no unit, and their gradients are not reduced:
+  // whoever sets this reduces them (DeepSpeedStrategy's stage-3 persistent parameters).
+  // parameter_counts, local_shards and gather_full_params do not list them.
+  std::vector<at::Tensor> ignored_params;
+
   // --- owned by later issues: present so configurations can name them, but any non-default
   // value is refused with "not supported yet" until the feature works.
   bool cpu_offload = false;

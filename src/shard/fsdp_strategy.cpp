@@ -202,17 +202,7 @@ double FSDPStrategy::clip_grad_norm(LightningModule&, double max_norm) {
   for (auto* p : state.all_params()) {
     if (p->sharded().grad().defined()) grads.push_back(p->sharded().grad());
   }
-  at::NoGradGuard no_grad;
-  at::Tensor total = at::zeros({1}, at::kDouble);
-  for (auto& g : grads) total += g.detach().to(at::kDouble).pow(2).sum();
-  const auto& group = state.shard_group();
-  if (group->size() > 1) group->all_reduce(total, ReduceOp::kSum);
-  const double norm = std::sqrt(total.item<double>());
-  const double coef = max_norm / (norm + 1e-6);
-  if (coef < 1.0) {
-    for (auto& g : grads) g.mul_(coef);
-  }
-  return norm;
+  return clip_grad_norm_of_parts(grads, *state.shard_group(), max_norm);
 }
 
 void FSDPStrategy::zero_grad(torch::optim::Optimizer& optimizer) {

@@ -179,6 +179,10 @@ Trainer::Trainer(TrainerOptions options) : options_(std::move(options)) {
     if (name == "auto") name = world_->size() > 1 ? "ddp" : "single";
     strategy_ = make_strategy(name);
   }
+  // A strategy's own configuration (a DeepSpeed JSON config) may fix precision, clipping,
+  // accumulation: applied, then checked like the user's options.
+  strategy_->configure_trainer(options_);
+  check_options(options_);
   strategy_->connect(world_, launch_);
 }
 
@@ -340,6 +344,7 @@ std::unique_ptr<Trainer::FitLoop> Trainer::setup_fit(LightningModule& module,
 
   setup_model(module);
   OptimizerConfig opt = module.configure_optimizers();
+  strategy_->configure_optimizers(module, opt);
   TORCH_CHECK(opt.optimizer, "[Trainer.fit] configure_optimizers() returned no optimizer; "
               "return {std::make_shared<torch::optim::Adam>(parameters(), ...)}");
   const Precision precision = parse_precision(o.precision);
