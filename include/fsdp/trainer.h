@@ -109,8 +109,9 @@ struct TrainerOptions {
   std::string default_root_dir = "fsdp_logs";
   // >= 0: seed_everything(seed) before configure_model (same model on every rank).
   int64_t seed = -1;
-  // "auto" | "gloo" | "mpi" ("auto": mpi under mpirun, else gloo). Env FSDP_BACKEND overrides
-  // "auto".
+  // "auto" | "gloo" | "mpi". "auto" (env FSDP_BACKEND overrides it): mpi when launched by
+  // mpirun, or on one host when MPI is built and mpirun is on PATH (the program re-runs itself
+  // through mpirun); gloo otherwise. Rank 0 prints the choice and why (README "Process groups").
   std::string process_group_backend = "auto";
   bool logger = true;              // false: no CSV file
   bool enable_summary = true;      // end-of-run summary (it/s, memory table) on rank 0

@@ -61,8 +61,8 @@ void reduce_scatter_copy_out(ReduceScatter& rs, const FsdpParams& params,
 
 // `rank_major`: (W, shard_numel) slice of an all-gather output -> P's full value.
 void copy_out(const FsdpParam& param, const at::Tensor& rank_major);
-// P.grad -> `rank_major`: (W, shard_numel) slice of a pre-zeroed reduce-scatter input (padding
-// rows stay 0).
+// P.grad -> `rank_major`: (W, shard_numel) slice of a reduce-scatter input; every element is
+// written (padding rows past dim0 as zeros).
 void copy_grad_in(const FsdpParam& param, const at::Tensor& rank_major);
 // A new tensor with the full value of `param`, all-gathered from its shards over `group` (its
 // shard group; every rank of it calls this, in the same order).

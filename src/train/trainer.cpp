@@ -2,6 +2,7 @@
 // The strategy is driven exactly in the order of the comment at the top of fsdp/strategy.h.
 #include "fsdp/trainer.h"
 
+#include "comm/backend_choice.h"
 #include "common/text.h"
 #include "fsdp/comm.h"
 #include "fsdp/memory.h"
@@ -143,7 +144,21 @@ std::vector<std::string> Trainer::accelerator_names() { return kAccelerators; }
 Trainer::Trainer(TrainerOptions options) : options_(std::move(options)) {
   // Checked before launching, so a bad option fails once in the parent, not in every rank.
   check_options(options_);
-  const std::string backend = resolve_backend(options_.process_group_backend);
+  const std::string requested = resolve_backend(options_.process_group_backend);
+  // See Note [Backend auto] in comm/backend_choice.cpp.
+  const detail::BackendFacts facts =
+      detail::backend_facts(requested, options_.devices, options_.num_nodes);
+  const detail::BackendChoice choice = detail::choose_backend(facts);
+  const std::string& backend = choice.backend;
+  // Said once per job: by the process that launches (before spawning or re-running through
+  // mpirun), or by rank 0 of ranks someone else launched.
+  constexpr const char* kAnnounced = "FSDP_BACKEND_ANNOUNCED";
+  const char* announced = std::getenv(kAnnounced);
+  if (requested == "auto" && facts.world_size > 1 && (announced == nullptr || *announced == 0) &&
+      (facts.launcher == "none" || launch_info_from_env().rank == 0)) {
+    std::cerr << detail::describe(choice, requested) << std::endl;
+    ::setenv(kAnnounced, "1", 1);
+  }
 
   LaunchOptions lo;
   lo.devices = options_.devices;
