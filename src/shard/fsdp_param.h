@@ -104,6 +104,7 @@ class FsdpParam {
   int64_t shard_rows() const { return shard_rows_; }    // R = ceil(dim0 / W)
   int64_t shard_numel() const { return shard_rows_ * row_numel_; }
   int64_t padded_numel() const { return shard_numel() * shard_world_; }
+  int64_t compute_element_size() const { return static_cast<int64_t>(c10::elementSize(compute_dtype_)); }
   int64_t full_nbytes() const {  // P's bytes when allocated (compute dtype)
     return unsharded_.numel() * static_cast<int64_t>(c10::elementSize(compute_dtype_));
   }

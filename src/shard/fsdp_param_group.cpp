@@ -87,14 +87,24 @@ void FsdpParamGroup::init() {
   ag_offsets_.clear();
   rs_offsets_.clear();
   ag_total_ = rs_total_ = 0;
+  // See Note [Units of mixed dtypes].
+  byte_all_gather_ = false;
+  const FsdpParam* first_trainable = nullptr;
   for (auto& p : params_) {
-    TORCH_CHECK(p->sharded_dtype() == params_.front()->sharded_dtype(),
-                "[fully_shard] unit '", name_, "' mixes dtypes: '", p->fqn(), "' is ",
-                p->sharded_dtype(), " but '", params_.front()->fqn(), "' is ",
-                params_.front()->sharded_dtype(),
-                ". HINT: wrap parameters of different dtypes in separate units.");
+    byte_all_gather_ |= p->compute_dtype() != params_.front()->compute_dtype();
+    if (!p->requires_grad()) continue;
+    if (first_trainable == nullptr) first_trainable = p.get();
+    TORCH_CHECK(p->sharded_dtype() == first_trainable->sharded_dtype(),
+                "[fully_shard] unit '", name_, "' mixes trainable dtypes: '", p->fqn(), "' is ",
+                p->sharded_dtype(), " but '", first_trainable->fqn(), "' is ",
+                first_trainable->sharded_dtype(),
+                ". HINT: wrap trainable parameters of different dtypes in separate units (frozen "
+                "parameters may have any dtype).");
+  }
+  for (auto& p : params_) {
     ag_offsets_.push_back(ag_total_);
-    ag_total_ += p->shard_numel();
+    ag_total_ += byte_all_gather_ ? aligned_bytes(p->shard_numel() * p->compute_element_size())
+                                  : p->shard_numel();
     if (p->requires_grad()) {
       rs_offsets_.push_back(rs_total_);
       rs_total_ += p->shard_numel();
@@ -104,12 +114,22 @@ void FsdpParamGroup::init() {
     p->shard();
   }
   // See Note [Mixed-precision parameters] in fsdp_param.h.
-  aliased_ = !params_.empty() && params_.front()->aliased();
+  aliased_ = !params_.empty();
+  for (auto& p : params_) aliased_ = aliased_ && p->aliased();
   const auto& mp = state_->config().mixed_precision;
   if (!params_.empty()) {
+    // The unit's compute dtype: its (first) floating parameters'; reductions use the trainable
+    // parameters' dtype.
     compute_dtype_ = params_.front()->compute_dtype();
-    reduce_dtype_ = mp ? mp->reduce_dtype_or(compute_dtype_) : compute_dtype_;
-    if (!at::isFloatingType(compute_dtype_)) reduce_dtype_ = compute_dtype_;
+    for (auto& p : params_) {
+      if (at::isFloatingType(p->compute_dtype())) {
+        compute_dtype_ = p->compute_dtype();
+        break;
+      }
+    }
+    const at::ScalarType grad_dtype = first_trainable ? first_trainable->compute_dtype() : compute_dtype_;
+    reduce_dtype_ = mp ? mp->reduce_dtype_or(grad_dtype) : grad_dtype;
+    if (!at::isFloatingType(grad_dtype)) reduce_dtype_ = grad_dtype;
   }
   sharded_state_ = ShardedState::kSharded;
   training_state_ = TrainingState::kIdle;
@@ -138,6 +158,17 @@ void FsdpParamGroup::transition(ShardedState next) {
   }
 }
 
+// Note [Units of mixed dtypes]
+// ----------------------------
+// A unit may hold parameters of different dtypes when only one dtype is trainable: QLoRA's
+// layers hold frozen uint8 4-bit weights, frozen fp32 norms and trainable fp32 adapters (and
+// under mixed precision the adapters compute in bf16 while the uint8 weights are never cast).
+// Then the all-gather moves bytes: parameter i's shard occupies aligned_bytes(numel_i *
+// itemsize_i) bytes at byte offset o_i of a uint8 all-gather input (offsets 16-byte aligned, so
+// every slice can be viewed as its dtype), and copy-in/copy-out view those slices as the
+// parameter's compute dtype. Reduce-scatters involve trainable parameters only, which must share
+// one dtype. A unit of one dtype all-gathers in that dtype as before.
+
 // Note [Unit all-gather]
 // ----------------------
 // Copy-in: every sharded parameter of the unit goes into one flat all-gather input of
@@ -154,16 +185,24 @@ void FsdpParamGroup::issue_all_gather() {
   if (aliased_ || params_.empty()) return;  // nothing to gather
   // In the compute dtype: bf16 all-gathers move half the bytes. See Note [Mixed-precision
   // parameters] in fsdp_param.h.
-  const auto options =
-      params_.front()->sharded().options().dtype(compute_dtype_).requires_grad(false);
+  const auto options = params_.front()->sharded().options()
+                           .dtype(byte_all_gather_ ? at::kByte : compute_dtype_)
+                           .requires_grad(false);
   at::NoGradGuard no_grad;
   pending_ag_.input = at::empty({ag_total_}, options);
-  for (size_t i = 0; i < params_.size(); ++i) {
-    params_[i]->copy_in(pending_ag_.input.narrow(0, ag_offsets_[i], params_[i]->shard_numel()));
-  }
+  for (size_t i = 0; i < params_.size(); ++i) params_[i]->copy_in(all_gather_slice(pending_ag_.input, i));
   pending_ag_.output = at::empty({shard_world() * ag_total_}, options);
   pending_ag_.work =
       shard_group_->all_gather_into_tensor_async(pending_ag_.output, pending_ag_.input);
+}
+
+at::Tensor FsdpParamGroup::all_gather_slice(const at::Tensor& buffer, size_t i) const {
+  // buffer: the flat input (ag_total) or the rank-major output (W, ag_total).
+  const FsdpParam& p = *params_[i];
+  if (!byte_all_gather_) return buffer.narrow(-1, ag_offsets_[i], p.shard_numel());
+  // See Note [Units of mixed dtypes].
+  return buffer.narrow(-1, ag_offsets_[i], p.shard_numel() * p.compute_element_size())
+      .view(p.compute_dtype());
 }
 
 void FsdpParamGroup::unshard() {
@@ -175,7 +214,7 @@ void FsdpParamGroup::unshard() {
     at::Tensor rank_major = pending_ag_.output.view({shard_world(), ag_total_});
     for (size_t i = 0; i < params_.size(); ++i) {
       params_[i]->alloc_unsharded();
-      params_[i]->copy_out(rank_major.narrow(1, ag_offsets_[i], params_[i]->shard_numel()));
+      params_[i]->copy_out(all_gather_slice(rank_major, i));
     }
     pending_ag_ = PendingAllGather{};
   }

@@ -96,6 +96,8 @@ class FsdpParamGroup {
   void finalize_backward();
 
   int order_index = -1;  // position in the recorded forward order (-1: not seen / root)
+  // Elements of the flat all-gather input (bytes for a unit of mixed dtypes, see
+  // Note [Units of mixed dtypes] in fsdp_param_group.cpp).
   int64_t all_gather_numel() const { return ag_total_; }
   int64_t reduce_scatter_numel() const { return rs_total_; }
   int64_t unsharded_bytes() const;
@@ -110,6 +112,9 @@ class FsdpParamGroup {
 
  private:
   int shard_world() const { return shard_group_->size(); }
+  // Parameter i's slice of an all-gather buffer, viewed in its compute dtype.
+  at::Tensor all_gather_slice(const at::Tensor& buffer, size_t i) const;
+  static int64_t aligned_bytes(int64_t n) { return (n + 15) / 16 * 16; }
 
   struct PendingAllGather {
     WorkPtr work;
@@ -137,6 +142,8 @@ class FsdpParamGroup {
   // See Note [Mixed-precision parameters] in fsdp_param.h. aliased_: S is P for every
   // parameter (shard group of one rank, no cast): nothing is gathered or scattered.
   bool aliased_ = false;
+  // Parameters of different compute dtypes: the all-gather moves bytes.
+  bool byte_all_gather_ = false;
   at::ScalarType compute_dtype_ = at::kFloat;  // all-gather dtype = P's dtype
   at::ScalarType reduce_dtype_ = at::kFloat;   // reduce-scatter dtype
 
