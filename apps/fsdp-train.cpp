@@ -70,6 +70,7 @@ struct Args {
   // Output
   std::string summary_json;
   bool dry_run = false;  // print the parameter count and memory per strategy; allocate nothing
+  std::string save_batches;  // write the run's micro-batches (every rank's) here and exit
   // Checkpoints (include/fsdp/checkpoint.h)
   std::string checkpoint_dir;
   int64_t save_every_n_steps = 0;
@@ -323,6 +324,49 @@ int dry_run(const Args& a, const ModelSpec& spec_in) {
   return 0;
 }
 
+// --save-batches FILE: the micro-batches this run would train on, every rank's, so that other
+// systems (bench/peers/*.py) read the same samples in the same order. safetensors
+// {"input", "target"}: int64 (micro_batches, world * batch_size, block_size); rows
+// [r*B, (r+1)*B) of micro-batch i are rank r's batch i, drawn from the loader the Trainer gives
+// rank r (see Note [Sampler striding]). Covers the first epoch; nothing trains.
+int save_batches(const Args& a) {
+  fsdp::seed_everything(a.seed);
+  Data data = load_data(a);
+  const int64_t world = int64_t(a.devices) * a.num_nodes, B = a.batch_size;
+  const int64_t micro = a.max_steps * a.accumulate_grad_batches;
+  TORCH_CHECK(a.max_steps > 0, "[fsdp-train] --save-batches needs --max-steps > 0 (how many "
+              "steps' batches to write)");
+  std::vector<fsdp::DataLoader> loaders;
+  for (int64_t r = 0; r < world; ++r) {  // what the Trainer's distribute() gives rank r
+    loaders.emplace_back(data.train, B,
+                         fsdp::DistributedSampler(data.train->size(), world, r, /*shuffle=*/true,
+                                                  a.seed),
+                         /*drop_last=*/true);
+  }
+  TORCH_CHECK(micro <= loaders[0].num_batches(), "[fsdp-train] --save-batches writes one epoch: ",
+              micro, " micro-batches asked (--max-steps x --accumulate-grad-batches), the epoch "
+              "has ", loaders[0].num_batches(), " per rank; lower --max-steps or add data "
+              "(--num-tokens)");
+  at::Tensor input = at::empty({micro, world * B, a.block_size}, at::kLong);  // (I, N*B, T)
+  at::Tensor target = at::empty_like(input);
+  for (int64_t i = 0; i < micro; ++i) {
+    for (int64_t r = 0; r < world; ++r) {
+      const fsdp::Batch b = loaders[r].batch(i);
+      input[i].narrow(0, r * B, B).copy_(b.input);
+      target[i].narrow(0, r * B, B).copy_(b.target);
+    }
+  }
+  fsdp::save_safetensors(a.save_batches, {{"input", input}, {"target", target}},
+                         {{"world_size", std::to_string(world)},
+                          {"batch_size_per_rank", std::to_string(B)},
+                          {"vocab_size", std::to_string(data.vocab_size)},
+                          {"layout", "micro-batch i, rows [r*B, (r+1)*B): rank r's batch i"}});
+  std::cout << "[fsdp-train] wrote " << micro << " micro-batches of " << world << " x " << B
+            << " samples (" << a.block_size << " tokens, vocab " << data.vocab_size << ") to "
+            << a.save_batches << std::endl;
+  return 0;
+}
+
 int run(const Args& a, const ModelSpec& spec_in) {
   fsdp::seed_everything(a.seed);
   // Data first: a missing file fails once, here, before the other ranks are started.
@@ -429,6 +473,7 @@ int run(const Args& a, const ModelSpec& spec_in) {
     j["seconds"] = r.seconds;
     j["it_per_s"] = r.it_per_s;
     j["it_per_s_note"] = "optimizer steps per second, first step (warm-up) excluded";
+    j["step_end_seconds"] = r.step_end_seconds;  // rank 0: loop start to the end of each step
     std::vector<double> alloc, rss;
     for (auto b : r.peak_alloc_bytes) alloc.push_back(b / 1048576.0);
     for (auto b : r.peak_rss_bytes) rss.push_back(b / 1048576.0);
@@ -551,6 +596,9 @@ int main(int argc, char** argv) {
   app.add_flag("--dry-run", a.dry_run,
                "print the parameter count and per-rank memory of every strategy at --devices, "
                "without allocating the model (meta device), and exit");
+  app.add_option("--save-batches", a.save_batches,
+                 "write the micro-batches of the first --max-steps steps, every rank's, to this "
+                 "safetensors file (for bench/peers/*.py) and exit without training");
   // Checkpoints
   app.add_option("--checkpoint-dir", a.checkpoint_dir,
                  "save DIR/step-<k> every --save-every-n-steps steps (or --every-n-epochs "
@@ -616,6 +664,7 @@ int main(int argc, char** argv) {
 
   try {
     if (a.dry_run) return dry_run(a, spec);
+    if (!a.save_batches.empty()) return save_batches(a);
     return run(a, spec);
   } catch (const std::exception& e) {
     fsdp::fail_rank(what_of(e));

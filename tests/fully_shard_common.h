@@ -92,6 +92,9 @@ struct LoopConfig {
   int64_t global_batch = 12;  // rows per optimizer step over all ranks
   int accumulate = 1;         // micro-batches per optimizer step
   double clip = 0;            // > 0: clip to this global norm
+  // Called once the strategy has set up the module and the optimizer, before the first step
+  // (e.g. to save the initial weights a peer starts from).
+  std::function<void(fsdp::Strategy&, fsdp::LightningModule&)> after_setup;
 };
 
 // The global batch of step s (same on every rank and in the reference).
@@ -115,6 +118,7 @@ inline std::vector<double> train_with(fsdp::Strategy& strategy, fsdp::LightningM
   strategy.setup_module(module);
   auto opt = module.configure_optimizers().optimizer;
   strategy.setup_optimizer(*opt);
+  if (cfg.after_setup) cfg.after_setup(strategy, module);
   const int world = strategy.world_size();
   const int rank = strategy.rank();
   const int64_t micro_rows = cfg.global_batch / cfg.accumulate;

@@ -100,6 +100,13 @@ void convert_to_safetensors(const std::string& checkpoint_dir, const std::string
 void convert_to_sharded(const std::string& checkpoint_dir, const std::string& out_dir,
                         int world_size);
 
+// Writes named tensors to one standard safetensors file, atomically (any dtype the format has;
+// non-contiguous tensors are copied first). For data other tools read, e.g. the batches
+// `fsdp-train --save-batches` writes for Python peers (safetensors.torch.load_file reads it).
+void save_safetensors(const std::string& path,
+                      const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                      const std::map<std::string, std::string>& metadata = {});
+
 // --- ModelCheckpoint: Lightning's checkpoint callback (fsdp/callback.h).
 //
 //   fsdp::ModelCheckpointOptions mc;

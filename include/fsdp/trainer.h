@@ -134,6 +134,10 @@ struct FitResults {
   int64_t micro_batches = 0;       // training micro-batches run (per rank)
   double seconds = 0;              // wall time of the training loop
   double it_per_s = 0;             // optimizer steps per second, first step (warm-up) excluded
+  // Per optimizer step: seconds from the start of the training loop to the end of the step
+  // (after its loss was averaged over the ranks, a synchronization point), on this rank's
+  // clock. Benchmarks compute it/s over any warm-up from it, as they do for their peers.
+  std::vector<double> step_end_seconds;
   int64_t params = 0;              // parameter elements of the model after configure_model
   int64_t trainable_params = 0;
   // Per rank, during training: the peaks are reset once setup (configure_model, sharding,

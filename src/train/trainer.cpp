@@ -395,6 +395,7 @@ void Trainer::fit_impl(LightningModule& module, DataLoader& train_loader,
         loss_sum = 0;
         loss_count = 0;
         results_.losses.push_back(global_loss);
+        results_.step_end_seconds.push_back(seconds_since(loop_start));
         for (const auto& kv : metrics.step_values()) callback_metrics_[kv.first] = kv.second;
         results_.steps = global_step_;
         if (bar) bar->update(global_step_, epoch, global_loss, metrics.progress_bar_values());

@@ -1,0 +1,314 @@
+// fsdp-bench peers: fsdp.cpp beside the systems it replaces, in one run, on one model, one data
+// order, one global batch, one world size and one backend (Gloo):
+//
+//   fsdp-bench peers --model transformer-small --devices 2 [--steps 5 --warmup 2]
+//
+// configurations   DDP | FULL_SHARD | SHARD_GRAD_OP | FULL_SHARD + bf16-mixed
+// systems          fsdp.cpp (build/bin/fsdp-train --summary-json)
+//                  PyTorch 2.x (bench/peers/torch_peer.py: DDP, FSDP2 fully_shard per layer then
+//                  the root, reshard_after_forward True/False, MixedPrecisionPolicy(bf16, bf16))
+//                  Lightning (bench/peers/lightning_peer.py: Trainer(accelerator="cpu",
+//                  strategy=DDPStrategy / FSDPStrategy))
+//
+// Same for everyone, by construction:
+//   model    fsdp::demos::transformer_preset(--model, vocab): fsdp-train builds it, the peers
+//            build its mirror (bench/peers/mirror.py) from the same dimensions;
+//   data     `fsdp-train --save-batches` writes the micro-batches fsdp-train trains on (every
+//            rank's); the peers read that file, rank r its own rows;
+//   threads  cores / ranks intra-op threads per rank;
+//   it/s     every run reports the end time of each optimizer step (after the loss is
+//            averaged over the ranks); it/s = timed steps / (end of last - end of warm-up),
+//            one function (runs.h it_per_s) for all;
+//   memory   peak RSS per rank = the rank process's VmHWM over its whole life (fsdp.cpp:
+//            max of its setup and training peaks, which is the same thing); fsdp.cpp also
+//            reports its peak tensor bytes (tracking allocator), which the peers cannot.
+// Ratios are to PyTorch DDP measured in the same run. A run that fails (Lightning's FSDP on
+// CPU, say) is reported with its error, not dropped. Prints JSON on stdout and the markdown
+// table on stderr (and to --markdown FILE). Design and limits: docs/peers.md.
+#include "bench.h"
+#include "runs.h"
+
+#include "fsdp/models.h"
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <thread>
+
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+struct Options {
+  fsdp::bench::TrainRun run;  // model, data, batch, devices; run.steps = warmup + steps
+  int64_t steps = 5;          // timed optimizer steps
+  int64_t warmup = 2;         // untimed optimizer steps before them
+  std::vector<std::string> systems;
+  std::vector<std::string> configs;
+  std::string python = fsdp::bench::default_python();
+  std::string peers = fsdp::bench::peers_dir();
+  std::string fsdp_train;
+  std::string markdown;
+};
+
+struct Config {
+  std::string name;        // the --configs name
+  std::string label;       // table column
+  std::string fsdp_train;  // --strategy for fsdp-train
+  std::string sharding;    // --sharding-strategy ("" for DDP)
+  std::string peer;        // --strategy for the peers
+  std::string precision;
+};
+
+const std::vector<Config>& all_configs() {
+  static const std::vector<Config> configs = {
+      {"ddp", "DDP", "ddp", "", "ddp", "32-true"},
+      {"full_shard", "FULL_SHARD", "fsdp", "FULL_SHARD", "fsdp-full-shard", "32-true"},
+      {"shard_grad_op", "SHARD_GRAD_OP", "fsdp", "SHARD_GRAD_OP", "fsdp-shard-grad-op", "32-true"},
+      {"full_shard_bf16", "FULL_SHARD bf16-mixed", "fsdp", "FULL_SHARD", "fsdp-full-shard",
+       "bf16-mixed"},
+  };
+  return configs;
+}
+
+std::string load_average() {
+  std::string text = fsdp::bench::read_text("/proc/loadavg");
+  std::istringstream in(text);
+  std::string a, b, c;
+  in >> a >> b >> c;
+  return a + " " + b + " " + c;
+}
+
+double max_of(const json& values) {
+  double m = 0;
+  for (const auto& v : values) m = std::max(m, v.get<double>());
+  return m;
+}
+
+// Fields every run reports; `r` has "error" instead when it failed.
+json finish(json r, const Options& o) {
+  if (r.contains("error")) return r;
+  const auto ends = r.value("step_end_seconds", std::vector<double>{});
+  r["it_per_s"] = fsdp::bench::it_per_s(ends, static_cast<int>(o.warmup));
+  if (r["it_per_s"].is_null()) {
+    r["error"] = "reported " + std::to_string(ends.size()) + " step times; needs more than " +
+                 std::to_string(o.warmup) + " (--warmup)";
+    return r;
+  }
+  r["peak_rss_mb_max"] = max_of(r["peak_rss_mb"]);
+  const auto& losses = r["losses"];
+  r["final_loss"] = losses.empty() ? json(nullptr) : losses.back();
+  return r;
+}
+
+json run_one(const Options& o, const Config& c, const std::string& system) {
+  const std::string name = system + "-" + c.name;
+  json r;
+  if (system == "fsdp.cpp") {
+    std::vector<std::string> flags = {"--strategy", c.fsdp_train, "--backend", "gloo",
+                                      "--precision", c.precision};
+    if (!c.sharding.empty()) flags.insert(flags.end(), {"--sharding-strategy", c.sharding});
+    r = fsdp::bench::run_fsdp_train(o.fsdp_train, o.run, flags, name);
+  } else {
+    const std::string script = system == "lightning" ? "lightning_peer.py" : "torch_peer.py";
+    r = fsdp::bench::run_peer(o.python, (fs::path(o.peers) / script).string(), o.run,
+                              {"--strategy", c.peer, "--precision", c.precision}, name);
+    if (!r.contains("system")) r["system"] = system;
+  }
+  r["config"] = c.label;
+  return r;
+}
+
+std::string fixed(double v, int digits) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.*f", digits, v);
+  return buf;
+}
+
+std::string markdown_table(const json& out) {
+  std::ostringstream md;
+  const auto& cfg = out["config"];
+  md << "| configuration | system | it/s | vs PyTorch DDP | peak RSS/rank (MiB) | vs PyTorch DDP "
+        "| fsdp.cpp peak tensors/rank (MiB) | loss at step "
+     << cfg["warmup"].get<int64_t>() + cfg["steps"].get<int64_t>() << " |\n"
+     << "|---|---|---:|---:|---:|---:|---:|---:|\n";
+  for (const auto& r : out["runs"]) {
+    md << "| " << r["config"].get<std::string>() << " | " << r["system"].get<std::string>() << " | ";
+    if (r.contains("error")) {
+      std::string e = r["error"].get<std::string>();
+      std::replace(e.begin(), e.end(), '\n', ' ');
+      std::replace(e.begin(), e.end(), '|', '/');
+      if (e.size() > 160) e = e.substr(0, 157) + "...";
+      md << "error: " << e << " | | | | | |\n";
+      continue;
+    }
+    md << fixed(r["it_per_s"].get<double>(), 2) << " | "
+       << (r.contains("it_per_s_vs_pytorch_ddp") ? fixed(r["it_per_s_vs_pytorch_ddp"].get<double>(), 2) + "x" : "")
+       << " | " << fixed(r["peak_rss_mb_max"].get<double>(), 0) << " | "
+       << (r.contains("peak_rss_vs_pytorch_ddp") ? fixed(r["peak_rss_vs_pytorch_ddp"].get<double>(), 2) + "x" : "")
+       << " | " << (r.contains("peak_alloc_mb") ? fixed(max_of(r["peak_alloc_mb"]), 0) : "")
+       << " | " << (r["final_loss"].is_number() ? fixed(r["final_loss"].get<double>(), 3) : "")
+       << " |\n";
+  }
+  return md.str();
+}
+
+int run_peers(const std::vector<std::string>& args) {
+  Options o;
+  fsdp::bench::TrainRun& run = o.run;
+  std::string systems_arg = "pytorch,fsdp.cpp,lightning";
+  std::string configs_arg = "ddp,full_shard,shard_grad_op,full_shard_bf16";
+  std::string work_dir;
+  CLI::App app{"fsdp-bench peers: fsdp.cpp vs PyTorch DDP / FSDP2 and Lightning (JSON + table)"};
+  app.add_option("--model", run.model, "transformer-tiny | transformer-small")
+      ->check(CLI::IsMember({"transformer-tiny", "transformer-small"}))
+      ->capture_default_str();
+  app.add_option("--devices", run.devices, "ranks (processes), Gloo on loopback")
+      ->check(CLI::Range(1, 64))
+      ->capture_default_str();
+  app.add_option("--steps", o.steps, "timed optimizer steps")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--warmup", o.warmup, "untimed optimizer steps first")
+      ->check(CLI::Range(int64_t{1}, int64_t{1000}))
+      ->capture_default_str();
+  app.add_option("--vocab-size", run.vocab_size, "synthetic vocabulary (0: the preset's)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--batch-size", run.batch_size, "per rank")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--block-size", run.block_size, "tokens per sample")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--dropout", run.dropout)->check(CLI::Range(0.0, 0.99))->capture_default_str();
+  app.add_option("--lr", run.lr)->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--seed", run.seed)->capture_default_str();
+  app.add_option("--systems", systems_arg, "comma list of pytorch, fsdp.cpp, lightning")
+      ->capture_default_str();
+  app.add_option("--configs", configs_arg,
+                 "comma list of ddp, full_shard, shard_grad_op, full_shard_bf16")
+      ->capture_default_str();
+  app.add_option("--python", o.python, "interpreter with torch 2.x and lightning")
+      ->capture_default_str();
+  app.add_option("--peers-dir", o.peers, "folder of torch_peer.py and lightning_peer.py")
+      ->capture_default_str();
+  app.add_option("--fsdp-train", o.fsdp_train, "path of fsdp-train (default: beside fsdp-bench)");
+  app.add_option("--work-dir", work_dir, "logs, batches, summaries (default: a fresh /tmp dir)");
+  app.add_option("--markdown", o.markdown, "also write the markdown table to this file");
+  app.add_option("--timeout", run.timeout_s, "seconds per run before it is killed")
+      ->capture_default_str();
+  if (auto status = fsdp::bench::parse_args(app, "peers", args)) return *status;
+
+  auto split = [](const std::string& s) {
+    std::vector<std::string> v;
+    std::stringstream in(s);
+    for (std::string item; std::getline(in, item, ',');) {
+      if (!item.empty()) v.push_back(item);
+    }
+    return v;
+  };
+  o.systems = split(systems_arg);
+  for (const auto& s : o.systems) {
+    if (s != "pytorch" && s != "fsdp.cpp" && s != "lightning") {
+      std::cerr << "fsdp-bench peers: error: unknown system '" << s
+                << "' in --systems; valid: pytorch, fsdp.cpp, lightning\n";
+      return 2;
+    }
+  }
+  std::vector<Config> configs;
+  for (const auto& name : split(configs_arg)) {
+    auto it = std::find_if(all_configs().begin(), all_configs().end(),
+                           [&](const Config& c) { return c.name == name; });
+    if (it == all_configs().end()) {
+      std::cerr << "fsdp-bench peers: error: unknown configuration '" << name
+                << "' in --configs; valid: ddp, full_shard, shard_grad_op, full_shard_bf16\n";
+      return 2;
+    }
+    configs.push_back(*it);
+  }
+  run.steps = o.warmup + o.steps;
+  run.vocab_size = fsdp::demos::transformer_preset(run.model, run.vocab_size).vocab_size;
+  if (o.fsdp_train.empty()) o.fsdp_train = (fsdp::bench::self_dir() / "fsdp-train").string();
+  run.dir = work_dir.empty()
+                ? fs::temp_directory_path() / ("fsdp-bench-peers-" + std::to_string(getpid()))
+                : fs::path(work_dir);
+  fs::create_directories(run.dir);
+  if (!fs::exists(o.fsdp_train)) {
+    std::cerr << "fsdp-bench peers: error: " << o.fsdp_train
+              << " not found; build it (cmake --build build --target fsdp-train) or pass "
+                 "--fsdp-train PATH\n";
+    return 1;
+  }
+
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  json out;
+  out["bench"] = "peers";
+  out["config"] = {{"model", run.model}, {"vocab_size", run.vocab_size},
+                   {"world_size", run.devices}, {"backend", "gloo"},
+                   {"batch_size_per_rank", run.batch_size}, {"block_size", run.block_size},
+                   {"warmup", o.warmup}, {"steps", o.steps}, {"dropout", run.dropout},
+                   {"optimizer", "adam"}, {"lr", run.lr}, {"seed", run.seed},
+                   {"data", "synthetic, the batches of fsdp-train --save-batches"},
+                   {"cores", cores},
+                   {"threads_per_rank", std::max(1u, cores / static_cast<unsigned>(run.devices))}};
+  out["load_average_start"] = load_average();
+
+  // The batches every system trains on: fsdp-train's own, written once.
+  out["batches"] = fsdp::bench::write_batches(o.fsdp_train, run);
+  if (out["batches"].contains("error")) {
+    std::cerr << "fsdp-bench peers: error: " << out["batches"]["error"].get<std::string>() << "\n";
+    return 1;
+  }
+
+  json runs = json::array();
+  for (const auto& c : configs) {
+    for (const std::string system : {"pytorch", "fsdp.cpp", "lightning"}) {
+      if (std::find(o.systems.begin(), o.systems.end(), system) == o.systems.end()) continue;
+      std::fprintf(stderr, "[bench peers] %s %s, %d rank(s) ...\n", system.c_str(),
+                   c.label.c_str(), run.devices);
+      runs.push_back(finish(run_one(o, c, system), o));
+    }
+  }
+  // Ratios to PyTorch DDP of this run.
+  const json* base = nullptr;
+  for (const auto& r : runs) {
+    if (r["system"] == "pytorch-ddp" && !r.contains("error")) base = &r;
+  }
+  if (base) {
+    const double it = (*base)["it_per_s"].get<double>();
+    const double rss = (*base)["peak_rss_mb_max"].get<double>();
+    for (auto& r : runs) {
+      if (r.contains("error")) continue;
+      r["it_per_s_vs_pytorch_ddp"] = r["it_per_s"].get<double>() / it;
+      r["peak_rss_vs_pytorch_ddp"] = r["peak_rss_mb_max"].get<double>() / rss;
+    }
+  }
+  out["baseline"] = base ? json("pytorch-ddp") : json(nullptr);
+  out["runs"] = runs;
+  out["load_average_end"] = load_average();
+  out["work_dir"] = run.dir.string();
+  out["markdown"] = markdown_table(out);
+  std::cout << out.dump(2) << std::endl;
+  std::cerr << out["markdown"].get<std::string>();
+  if (!o.markdown.empty()) std::ofstream(o.markdown) << out["markdown"].get<std::string>();
+  // Exit status: fsdp.cpp's own runs must work; a peer's failure is data (in the table).
+  for (const auto& r : runs) {
+    if (r["system"] == "fsdp.cpp" && r.contains("error")) return 1;
+  }
+  return 0;
+}
+
+fsdp::bench::Registrar reg("peers",
+                           "fsdp.cpp vs PyTorch DDP/FSDP2 and Lightning: it/s, peak RSS (JSON)",
+                           run_peers);
+
+}  // namespace
