@@ -49,7 +49,8 @@ class ProcessGroup {
 
   virtual int rank() const = 0;
   virtual int size() const = 0;
-  virtual std::string backend() const = 0;  // "gloo" | "mpi"
+  // "gloo" | "mpi"; groups without peers: "self" (one rank), "shape-only" (planning)
+  virtual std::string backend() const = 0;
   // Ranks of this group in the world group, index = rank in this group.
   virtual const std::vector<int>& world_ranks() const = 0;
 

@@ -64,10 +64,6 @@ struct DDPMemoryEstimate {
 };
 DDPMemoryEstimate estimate_ddp_memory(const torch::nn::Module& module, const DDPOptions& options);
 
-namespace detail {
-class Reducer;
-}
-
 class DDPStrategy : public Strategy {
  public:
   explicit DDPStrategy(DDPOptions options = {});
@@ -118,8 +114,9 @@ class DDPStrategy : public Strategy {
   int64_t last_held_buckets() const;
 
  private:
+  struct Reducer;  // the bucketed gradient reducer (src/ddp/reducer.h)
   DDPOptions options_;
-  std::unique_ptr<detail::Reducer> reducer_;
+  std::unique_ptr<Reducer> reducer_;
   torch::nn::Module* module_ = nullptr;
   std::vector<at::Tensor> buffers_;  // module buffers, broadcast before synchronized forwards
 };

@@ -82,6 +82,10 @@ DDPMemoryEstimate estimate_ddp_memory(const torch::nn::Module& module, const DDP
   return est;
 }
 
+struct DDPStrategy::Reducer : detail::Reducer {
+  using detail::Reducer::Reducer;
+};
+
 DDPStrategy::DDPStrategy(DDPOptions options) : options_(options) {
   TORCH_CHECK(options_.bucket_cap_mb > 0, "[ddp] bucket_cap_mb must be > 0, got ",
               options_.bucket_cap_mb);
@@ -130,7 +134,7 @@ void DDPStrategy::setup(torch::nn::Module& module) {
   for (auto& p : params) {
     if (p.tensor.requires_grad()) trainable.push_back(p);
   }
-  reducer_ = std::make_unique<detail::Reducer>(world_, std::move(trainable), options_);
+  reducer_ = std::make_unique<Reducer>(world_, std::move(trainable), options_);
 }
 
 void DDPStrategy::pre_forward(LightningModule& module, bool sync) { prepare_forward(sync); }
