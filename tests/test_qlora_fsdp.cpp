@@ -1,7 +1,7 @@
 // FSDP over a quantized, frozen base with trainable LoRA (QLoRA): a tiny Llama loaded from an
 // HF folder with NF4 + double quantization, prepare_for_kbit_training and adapters on every
 // linear layer and the head, trained with FSDP FULL_SHARD (one unit per decoder layer, with
-// activation checkpointing) at world 2 and 3 (real processes, Gloo) must match the
+// activation checkpointing) at world 2 and 3 (real processes, Gloo and MPI) must match the
 // single-process run: per-step losses and the gathered adapters within 1e-5 (fp32 compute,
 // AdamW). Only adapters have gradients, reduce-scatters and optimizer state; the packed uint8
 // weights are sharded like any other tensor in units that mix dtypes. With 8-bit AdamW and
@@ -15,6 +15,7 @@
 #include "hf_testing.h"
 #include "shard/fsdp_param_group.h"
 #include "shard/fsdp_state.h"
+#include "shard/fsdp_strategy_impl.h"
 
 #include <gtest/gtest.h>
 #include <torch/optim/adamw.h>
@@ -140,7 +141,9 @@ void check_parity(const std::string& dir, int world_expected, at::ScalarType com
   }
   EXPECT_EQ(uint8_params, 2 * 7 * 3);  // weight + quant_state of every quantized linear
   int64_t rs_numel = 0;
-  for (auto& unit : strategy.state().units()) rs_numel += unit->reduce_scatter_numel();
+  for (auto& unit : fsdp::detail::state_of(strategy).units()) {
+    rs_numel += unit->layout().reduce_scatter_numel;
+  }
   EXPECT_EQ(rs_numel, lora_shard_numel);
   // The packed 4-bit weights are sharded: this rank holds about 1/world of them.
   for (auto& p : lm.named_parameters()) {
@@ -160,6 +163,10 @@ void parity(int world, const std::string& backend) {
 TEST(QLoraFsdp, MatchesSingleProcessWorld2) { parity(2, "gloo"); }
 
 TEST(QLoraFsdp, MatchesSingleProcessWorld3) { parity(3, "gloo"); }
+
+TEST(QLoraFsdp, MatchesSingleProcessWorld2Mpi) { parity(2, "mpi"); }
+
+TEST(QLoraFsdp, MatchesSingleProcessWorld3Mpi) { parity(3, "mpi"); }
 
 TEST(QLoraFsdp, EightBitAdamWBf16ComputeWorld2) {
   const std::string dir = model_dir();
