@@ -6,6 +6,7 @@
 // AdamW). Only adapters have gradients, reduce-scatters and optimizer state; the packed uint8
 // weights are sharded like any other tensor in units that mix dtypes. With 8-bit AdamW and
 // bf16 compute the runs agree within the quantization tolerance, and the loss falls.
+#include "fsdp/activation_checkpointing.h"
 #include "fsdp/hf.h"
 #include "fsdp/llama.h"
 #include "fsdp/lora.h"
