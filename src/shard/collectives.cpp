@@ -45,11 +45,30 @@ BenchCollectives bench_collectives() {
 
 }  // namespace
 
+namespace {
+int64_t aligned_bytes(int64_t n) { return (n + 15) / 16 * 16; }
+}  // namespace
+
+// Note [Units of mixed dtypes]
+// ----------------------------
+// A unit may hold parameters of different dtypes when only one dtype is trainable: QLoRA's
+// layers hold frozen uint8 4-bit weights, frozen fp32 norms and trainable fp32 adapters (and
+// under mixed precision the adapters compute in bf16 while the uint8 weights are never cast).
+// Then the all-gather moves bytes: parameter i's shard occupies aligned_bytes(numel_i *
+// itemsize_i) bytes at byte offset o_i of a uint8 all-gather input (offsets 16-byte aligned, so
+// every slice can be viewed as its dtype), and copy-in/copy-out view those slices as the
+// parameter's compute dtype. Reduce-scatters involve trainable parameters only, which must share
+// one dtype (FsdpParamGroup::init checks). A unit of one dtype all-gathers in that dtype.
 FlatLayout flat_layout(const FsdpParams& params) {
   FlatLayout layout;
   for (const auto& p : params) {
+    layout.bytes |= p->compute_dtype() != params.front()->compute_dtype();
+  }
+  for (const auto& p : params) {
     layout.all_gather_offsets.push_back(layout.all_gather_numel);
-    layout.all_gather_numel += p->shard_numel();
+    layout.all_gather_numel +=
+        layout.bytes ? aligned_bytes(p->shard_numel() * p->compute_element_size())
+                     : p->shard_numel();
     if (p->requires_grad()) {
       layout.reduce_scatter_offsets.push_back(layout.reduce_scatter_numel);
       layout.reduce_scatter_numel += p->shard_numel();
@@ -58,6 +77,15 @@ FlatLayout flat_layout(const FsdpParams& params) {
     }
   }
   return layout;
+}
+
+at::Tensor all_gather_slice(const at::Tensor& buffer, const FlatLayout& layout,
+                            const FsdpParam& param, size_t i) {
+  if (!layout.bytes) return buffer.narrow(-1, layout.all_gather_offsets[i], param.shard_numel());
+  // See Note [Units of mixed dtypes].
+  return buffer
+      .narrow(-1, layout.all_gather_offsets[i], param.shard_numel() * param.compute_element_size())
+      .view(param.compute_dtype());
 }
 
 // Note [Unit all-gather]
@@ -73,15 +101,16 @@ FlatLayout flat_layout(const FsdpParams& params) {
 AllGather all_gather(const FsdpParams& params, const FlatLayout& layout, ProcessGroup& group,
                      at::ScalarType dtype) {
   RECORD_FUNCTION("FSDP::all_gather", c10::ArrayRef<const c10::IValue>{});
-  const auto options = params.front()->sharded().options().dtype(dtype).requires_grad(false);
+  const auto options = params.front()->sharded().options()
+                           .dtype(layout.bytes ? at::kByte : dtype)
+                           .requires_grad(false);
   at::NoGradGuard no_grad;
   AllGather ag;
   ag.input = at::empty({layout.all_gather_numel}, options);
   for (size_t i = 0; i < params.size(); ++i) {
     const FsdpParam& p = *params[i];
     // Copy-in: S flattened, cast to the all-gather dtype.
-    ag.input.narrow(0, layout.all_gather_offsets[i], p.shard_numel())
-        .copy_(p.sharded().detach().reshape({-1}));
+    all_gather_slice(ag.input, layout, p, i).copy_(p.sharded().detach().reshape({-1}));
   }
   ag.output = at::empty({group.size() * layout.all_gather_numel}, options);
   switch (bench_collectives()) {  // See Note [Benchmark collectives]
@@ -111,8 +140,7 @@ void all_gather_copy_out(AllGather& ag, const FsdpParams& params, const FlatLayo
   at::Tensor rank_major = ag.output.view({world, layout.all_gather_numel});
   for (size_t i = 0; i < params.size(); ++i) {
     params[i]->alloc_unsharded();
-    copy_out(*params[i],
-             rank_major.narrow(1, layout.all_gather_offsets[i], params[i]->shard_numel()));
+    copy_out(*params[i], all_gather_slice(rank_major, layout, *params[i], i));
   }
   ag = AllGather{};
 }
@@ -141,7 +169,13 @@ std::optional<ReduceScatter> reduce_scatter(const FsdpParams& params, const Flat
   const auto options = params.front()->sharded().options().dtype(dtype).requires_grad(false);
   const int64_t total = layout.reduce_scatter_numel;
   ReduceScatter rs;
-  if (params.front()->aliased()) {
+  // Trainable parameters share one dtype, so they are all aliased or none is; frozen ones (a
+  // uint8 quantized weight is never cast) may differ. See Note [Units of mixed dtypes].
+  const FsdpParam* trainable = nullptr;
+  for (const auto& p : params) {
+    if (p->requires_grad() && trainable == nullptr) trainable = p.get();
+  }
+  if (trainable->aliased()) {
     // P.grad is S.grad: nothing to scatter; average over the replicate group if there is one.
     if (!replicate_group || replicate_group->size() == 1) return std::nullopt;
     rs.output = at::zeros({total}, options);
