@@ -2,6 +2,7 @@
 #include "comm/rendezvous.h"
 
 #include <c10/util/Exception.h>
+#include <c10/util/Logging.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
@@ -11,6 +12,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -216,6 +218,12 @@ void join_handshake(c10d::Store& store, const RendezvousOptions& o, const std::s
 }  // namespace
 
 Rendezvous rendezvous(const RendezvousOptions& o) {
+  // c10d logs each failure (with a C++ backtrace) before throwing it, and warns whenever it
+  // cannot reverse-resolve a client; we report the exception once, in one sentence. So c10's
+  // log level goes to FATAL unless the user chose one (TORCH_CPP_LOG_LEVEL).
+  if (const char* level = std::getenv("TORCH_CPP_LOG_LEVEL"); level == nullptr || *level == '\0') {
+    FLAGS_caffe2_log_level = std::max(FLAGS_caffe2_log_level, 3);
+  }
   TORCH_CHECK(o.master_port > 0 && o.master_port < 65536, "[init_process_group] world size ",
               o.size, " needs MASTER_PORT (got ", o.master_port,
               "); start the ranks with fsdp-run, or set MASTER_ADDR and MASTER_PORT");
