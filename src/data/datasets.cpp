@@ -143,6 +143,8 @@ WikiText2::WikiText2(const std::string& dir, const std::string& split, int64_t b
   for (const auto& s : present) {
     const bool keep = s == split;
     const std::string text = read_file(fs::path(dir) / (s + ".txt"));
+    TORCH_CHECK(!keep || text.find_first_not_of(" \t\r\n") != std::string::npos, "[WikiText2] ",
+                (fs::path(dir) / (s + ".txt")).string(), " is empty: no text to train on");
     check_text(fs::path(dir) / (s + ".txt"), text);
     for_each_token(text, [&](const std::string& word) {
       auto [it, inserted] = ids_.emplace(word, static_cast<int64_t>(words_.size()));
