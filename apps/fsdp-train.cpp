@@ -12,7 +12,6 @@
 #include <fsdp/cpu_adam.h>
 #include <fsdp/fsdp.h>
 
-#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
 #include <sys/resource.h>
@@ -28,6 +27,8 @@
 #include <sstream>
 #include <string>
 #include <vector>
+
+#include "cli.h"
 
 namespace {
 
@@ -285,7 +286,7 @@ CLI::Validator parsed_by(Enum (*parse)(const std::string&), const std::string& n
         if (!only.empty() && std::find(only.begin(), only.end(), value) == only.end()) {
           std::string valid;
           for (const auto& o : only) valid += (valid.empty() ? "" : ", ") + o;
-          return value + " not in {" + valid + "}";
+          return "'" + value + "' is not one of: " + valid;
         }
         try {
           value = std::to_string(static_cast<int>(parse(value)));
@@ -294,7 +295,7 @@ CLI::Validator parsed_by(Enum (*parse)(const std::string&), const std::string& n
           return e.what_without_backtrace();
         }
       },
-      name);
+      name, fsdp::cli::kCheckPrefix + name);
 }
 
 std::string what_of(const std::exception& e) {
@@ -609,17 +610,19 @@ int main(int argc, char** argv) {
   fsdp::TrainerOptions& t = a.trainer;
   fsdp::FSDPOptions& f = a.fsdp;
   fsdp::ModelCheckpointOptions& c = a.checkpoint;
-  const auto at_least_minus_one =
-      CLI::Range(int64_t(-1), std::numeric_limits<int64_t>::max()).description(">= -1");
+  using fsdp::cli::at_least;
+  using fsdp::cli::between;
+  using fsdp::cli::greater_than;
+  using fsdp::cli::one_of;
 
   // Trainer
   app.add_option("--accelerator", t.accelerator, "cpu | auto | cuda | gpu (cuda needs a CUDA build of libtorch)")
-      ->check(CLI::IsMember(fsdp::Trainer::accelerator_names()));
-  app.add_option("--devices", t.devices, "ranks (processes) per node")->check(CLI::PositiveNumber);
+      ->check(one_of(fsdp::Trainer::accelerator_names()));
+  app.add_option("--devices", t.devices, "ranks (processes) per node")->check(at_least(1));
   app.add_option("--num-nodes", t.num_nodes, "nodes (under SLURM/mpirun/torchrun-style env)")
-      ->check(CLI::PositiveNumber);
+      ->check(at_least(1));
   app.add_option("--strategy", a.strategy, "auto = single for one rank, ddp for more")
-      ->check(CLI::IsMember(strategies));
+      ->check(one_of(strategies));
   app.add_option("--sharding-strategy", f.sharding_strategy,
                  "fsdp: FULL_SHARD | SHARD_GRAD_OP | NO_SHARD | HYBRID_SHARD | HYBRID_SHARD_ZERO2")
       ->transform(parsed_by(fsdp::parse_sharding_strategy, "SHARDING_STRATEGY"))
@@ -634,67 +637,68 @@ int main(int argc, char** argv) {
   app.add_flag("--activation-checkpointing", a.activation_checkpointing,
                "recompute each layer's activations in backward (any strategy): less activation "
                "memory, about 1/3 more compute");
-  app.add_option("--hybrid-shard-size", f.hybrid_shard_size, "fsdp hybrid: ranks per shard group (0: one node)");
+  app.add_option("--hybrid-shard-size", f.hybrid_shard_size, "fsdp hybrid: ranks per shard group (0: one node)")
+      ->check(at_least(0));
   app.add_option("--precision", t.precision,
                  "32-true (fp32); bf16-mixed (FSDP: fp32 master shards, bf16 all-gather/compute/"
                  "reduce-scatter; other strategies: CPU autocast); bf16-true (bf16 everything); "
                  "16-mixed (as bf16-mixed in fp16, with loss scaling); 16-true (fp16 "
                  "everything; with --adam-eps 1e-4); 64-true")
-      ->check(CLI::IsMember(fsdp::Trainer::precision_names()));
+      ->check(one_of(fsdp::Trainer::precision_names()));
   app.add_option("--max-steps", t.max_steps, "optimizer steps to take (-1: until --max-epochs)")
-      ->check(at_least_minus_one);
+      ->check(at_least(int64_t{-1}));
   app.add_option("--max-epochs", t.max_epochs, "epochs (-1: unlimited; 1000 if --max-steps is -1 too)")
-      ->check(at_least_minus_one);
+      ->check(at_least(int64_t{-1}));
   app.add_option("--accumulate-grad-batches", t.accumulate_grad_batches,
                  "micro-batches per optimizer step (loss divided by it)")
-      ->check(CLI::PositiveNumber);
+      ->check(at_least(int64_t{1}));
   app.add_option("--gradient-clip-val", t.gradient_clip_val, "clip to this global L2 norm (0: off)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(at_least(0.0));
   app.add_option("--limit-train-batches", t.limit_train_batches,
                  "batches per epoch: <0 all, (0,1) fraction, >=1 count");
   app.add_option("--limit-val-batches", t.limit_val_batches,
                  "validation batches: <0 all, 0 none, (0,1) fraction, >=1 count");
   app.add_option("--val-check-interval", t.val_check_interval,
                  "validate every N training batches (>=1), a fraction of the epoch (0,1), or at epoch end (0)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(at_least(0.0));
   app.add_option("--log-every", t.log_every_n_steps, "log_every_n_steps: CSV rows and non-terminal progress lines")
-      ->check(CLI::PositiveNumber);
+      ->check(at_least(int64_t{1}));
   app.add_option("--default-root-dir", t.default_root_dir, "CSV logs go to DIR/version_N/metrics.csv");
   app.add_option("--backend", t.process_group_backend, "process group backend; auto: mpi on one host when built and mpirun is on PATH, or under mpirun; else gloo (env FSDP_BACKEND when auto)")
-      ->check(CLI::IsMember({"auto", "gloo", "mpi"}));
+      ->check(one_of({"auto", "gloo", "mpi"}));
   app.add_flag_callback("--no-progress-bar", [&t] { t.enable_progress_bar = false; },
                         "disable the progress bar");
   app.add_option("--seed", t.seed, "seed for the model init, data and sampler (same on every rank)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(at_least(int64_t{0}));
   // Model
-  app.add_option("--model", a.model, "a preset or custom")->check(CLI::IsMember(models));
+  app.add_option("--model", a.model, "a preset or custom")->check(one_of(models));
   auto* o_nlayers = app.add_option("--nlayers", a.nlayers, "custom: encoder (and decoder) layers")
-                        ->check(CLI::PositiveNumber);
-  auto* o_nhid = app.add_option("--nhid", a.nhid, "custom: feed-forward width")->check(CLI::PositiveNumber);
-  auto* o_ninp = app.add_option("--ninp", a.ninp, "custom: embedding width")->check(CLI::PositiveNumber);
-  auto* o_nhead = app.add_option("--nhead", a.nhead, "custom: attention heads")->check(CLI::PositiveNumber);
+                        ->check(at_least(int64_t{1}));
+  auto* o_nhid = app.add_option("--nhid", a.nhid, "custom: feed-forward width")->check(at_least(int64_t{1}));
+  auto* o_ninp = app.add_option("--ninp", a.ninp, "custom: embedding width")->check(at_least(int64_t{1}));
+  auto* o_nhead = app.add_option("--nhead", a.nhead, "custom: attention heads")->check(at_least(int64_t{1}));
   app.add_option("--vocab-size", a.vocab_size,
                  "synthetic data vocabulary (0: the preset's, at most 1024); wikitext2 uses its own")
-      ->check(CLI::NonNegativeNumber);
-  app.add_option("--dropout", a.dropout, "dropout probability")->check(CLI::Range(0.0, 1.0));
+      ->check(at_least(int64_t{0}));
+  app.add_option("--dropout", a.dropout, "dropout probability")->check(between(0.0, 1.0));
   // Optimizer
   app.add_option("--optimizer", a.optimizer,
                  "adam | adamw | sgd | cpu_adam | cpu_adamw (fused CPU Adam / AdamW, fsdp::optim::CPUAdam)")
-      ->check(CLI::IsMember({"adam", "adamw", "sgd", "cpu_adam", "cpu_adamw"}));
-  app.add_option("--lr", a.lr, "learning rate")->check(CLI::PositiveNumber);
-  app.add_option("--weight-decay", a.weight_decay, "weight decay")->check(CLI::NonNegativeNumber);
+      ->check(one_of({"adam", "adamw", "sgd", "cpu_adam", "cpu_adamw"}));
+  app.add_option("--lr", a.lr, "learning rate")->check(greater_than(0.0));
+  app.add_option("--weight-decay", a.weight_decay, "weight decay")->check(at_least(0.0));
   app.add_option("--adam-eps", a.adam_eps,
                  "adam/adamw eps (16-true needs one fp16 can hold, e.g. 1e-4)")
-      ->check(CLI::PositiveNumber);
+      ->check(greater_than(0.0));
   // Data
   app.add_option("--data", a.data, "synthetic (built in, no files) | wikitext2")
-      ->check(CLI::IsMember({"synthetic", "wikitext2"}));
+      ->check(one_of({"synthetic", "wikitext2"}));
   app.add_option("--data-dir", a.data_dir, "wikitext2: directory with train.txt (valid.txt optional)");
-  app.add_option("--batch-size", a.batch_size, "samples per rank per micro-batch")->check(CLI::PositiveNumber);
-  app.add_option("--block-size", a.block_size, "tokens per sample")->check(CLI::PositiveNumber);
+  app.add_option("--batch-size", a.batch_size, "samples per rank per micro-batch")->check(at_least(int64_t{1}));
+  app.add_option("--block-size", a.block_size, "tokens per sample")->check(at_least(int64_t{1}));
   app.add_option("--num-tokens", a.num_tokens,
                  "synthetic corpus size for training (0: enough for --max-steps, at least 100000)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(at_least(int64_t{0}));
   // Output
   app.add_option("--summary-json", a.summary_json, "write the run summary (losses, it/s, memory) as JSON here");
   app.add_flag("--dry-run", a.dry_run,
@@ -708,21 +712,21 @@ int main(int argc, char** argv) {
                  "save DIR/step-<k> every --save-every-n-steps steps (or --every-n-epochs "
                  "epochs), and DIR/last -> the newest");
   app.add_option("--save-every-n-steps", c.every_n_train_steps, "checkpoint period in optimizer steps (0: off)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(at_least(int64_t{0}));
   app.add_option("--state-dict-type", t.state_dict_type, "checkpoint format: full | sharded")
-      ->check(CLI::IsMember({"full", "sharded"}));
+      ->check(one_of({"full", "sharded"}));
   app.add_option("--every-n-epochs", c.every_n_epochs,
                  "also save at the end of every N epochs (default with --monitor and no "
                  "--save-every-n-steps: 1)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(at_least(int64_t{0}));
   app.add_option("--monitor", c.monitor,
                  "rank checkpoints by this logged metric (train_loss, val_loss) for --save-top-k");
   app.add_option("--mode", c.mode, "min | max: which --monitor values are better")
-      ->check(CLI::IsMember({"min", "max"}));
+      ->check(one_of({"min", "max"}));
   app.add_option("--save-top-k", c.save_top_k,
                  "keep the K best checkpoints by --monitor (-1: all; 1 without --monitor: the "
                  "newest); others are deleted once a better one is saved")
-      ->check(CLI::Range(int64_t{-1}, std::numeric_limits<int64_t>::max()));
+      ->check(at_least(int64_t{-1}));
   auto* o_ds = app.add_option(
       "--deepspeed-config", a.deepspeed_config,
       "DeepSpeed JSON config for --strategy deepspeed* (auto: deepspeed); replaces the "
@@ -732,17 +736,7 @@ int main(int argc, char** argv) {
   app.add_option("--ckpt-path", a.ckpt_path,
                  "resume from this checkpoint (e.g. DIR/last); --max-steps counts from the start");
 
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp&) {
-    std::cout << app.help();
-    return 0;
-  } catch (const CLI::ParseError& e) {
-    std::string msg = e.what();
-    std::replace(msg.begin(), msg.end(), '\n', ' ');
-    std::cerr << "fsdp-train: error: " << msg << " (see fsdp-train --help)" << std::endl;
-    return 2;
-  }
+  if (auto code = fsdp::cli::parse(app, argc, argv, "fsdp-train")) return *code;
 
   if (o_ds->count() > 0) {
     // train_micro_batch_size_per_gpu is --batch-size (per rank); both given must agree.

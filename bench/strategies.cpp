@@ -12,6 +12,7 @@
 // table on stderr. FULL_SHARD+AC is FULL_SHARD with fsdp-train --activation-checkpointing (the
 // layers recompute their activations in backward).
 #include "bench.h"
+#include "../apps/cli.h"
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -125,9 +126,9 @@ int run_strategies(const std::vector<std::string>& args) {
   Config c;
   CLI::App app{"fsdp-bench strategies: DDP vs FSDP sharding strategies, memory and speed"};
   app.add_option("--model", c.model, "a demo model preset")->capture_default_str();
-  app.add_option("--devices", c.devices, "ranks")->check(CLI::Range(1, 64))->capture_default_str();
+  app.add_option("--devices", c.devices, "ranks")->check(fsdp::cli::between(1, 64))->capture_default_str();
   app.add_option("--steps", c.steps, "optimizer steps per run (first one not timed)")
-      ->check(CLI::Range(2, 100000))
+      ->check(fsdp::cli::between(2, 100000))
       ->capture_default_str();
   app.add_option("--batch-size", c.batch_size, "per rank")->capture_default_str();
   app.add_option("--block-size", c.block_size, "tokens per sample")->capture_default_str();

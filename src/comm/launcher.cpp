@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "comm/launcher_detail.h"
+#include "comm/rendezvous.h"
 
 namespace fsdp {
 
@@ -297,6 +298,8 @@ LaunchInfo launch(const LaunchOptions& options) {
       {"MASTER_PORT", std::to_string(port)},
       {"GROUP_RANK", "0"},
       {kEnvLauncher, "spawn"},
+      // One job id for the ranks spawned here; see Note [Rendezvous handshake].
+      {"FSDP_JOB_ID", has_env("FSDP_JOB_ID") ? get_env("FSDP_JOB_ID") : random_job_id()},
   };
   for (const auto& [k, v] : common) ::setenv(k.c_str(), v.c_str(), 1);
   ::setenv("RANK", "0", 1);
