@@ -137,7 +137,7 @@ inline std::vector<double> train_with(fsdp::Strategy& strategy, fsdp::LightningM
       strategy.pre_forward(module, sync);
       at::Tensor loss;
       {
-        fsdp::CpuAutocastGuard autocast(cfg.bf16_autocast);
+        fsdp::CpuAutocastGuard autocast(cfg.bf16_autocast ? std::optional<at::ScalarType>(at::kBFloat16) : std::nullopt);
         loss = module.training_step(mb, step);
       }
       strategy.backward(loss / cfg.accumulate);
@@ -164,7 +164,7 @@ inline std::vector<double> train_reference(fsdp::LightningModule& module, const 
     for (int j = 0; j < cfg.accumulate; ++j) {
       at::Tensor loss;
       {
-        fsdp::CpuAutocastGuard autocast(cfg.bf16_autocast);
+        fsdp::CpuAutocastGuard autocast(cfg.bf16_autocast ? std::optional<at::ScalarType>(at::kBFloat16) : std::nullopt);
         loss = module.training_step(slice(g, j * micro_rows, micro_rows), step);
       }
       (loss / cfg.accumulate).backward();
