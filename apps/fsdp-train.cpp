@@ -255,11 +255,15 @@ Data load_data(const Args& a) {
   int64_t tokens = a.num_tokens;
   if (tokens <= 0) {
     // Enough that one epoch covers max_steps steps (depends only on the global batch, so runs
-    // with the same global batch over different worlds read the same corpus), at least 100k.
+    // with the same global batch over different worlds read the same corpus), at least 100k,
+    // at most 16M tokens (128 MB): longer runs (a soak's --max-steps 100000000) go round it
+    // in epochs instead of asking for a corpus larger than memory.
+    constexpr int64_t kMaxAutoTokens = int64_t{1} << 24;
     const int64_t world = a.world();
-    const int64_t steps = std::max<int64_t>(a.trainer.max_steps, 0);
+    const int64_t steps = std::min<int64_t>(std::max<int64_t>(a.trainer.max_steps, 0),
+                                            kMaxAutoTokens);
     const int64_t samples = steps * a.trainer.accumulate_grad_batches * a.batch_size * world + world;
-    tokens = std::max<int64_t>(100000, (samples + 2) * a.block_size);
+    tokens = std::min(kMaxAutoTokens, std::max<int64_t>(100000, (samples + 2) * a.block_size));
   }
   // One chain, one token stream: the first 90% trains, the rest validates (a different seed
   // would be a different chain, which no model could predict).
