@@ -486,10 +486,15 @@ std::string GroupImpl::timeout_message(const std::shared_ptr<OpRecord>& record) 
                                                               record->seq, config_.timeout)
                                  : "no monitor to tell which ranks are missing";
   std::ostringstream out;
-  out << record->what << " timed out after " << seconds_text(config_.timeout) << ": " << missing
-      << ". ---> HINT: every rank of a group must call the same collectives in the same order; "
-         "FSDP_DEBUG=detail checks each call; if the ranks are only slow, raise "
-         "FSDP_COLLECTIVE_TIMEOUT_S (seconds).";
+  out << record->what << " timed out after " << seconds_text(config_.timeout) << ": " << missing;
+  if (missing.find(kSilentRanks) != std::string::npos) {
+    out << ". ---> HINT: check that host and its network; then restart from the last checkpoint "
+           "(--ckpt-path DIR/last), at a smaller world size if the host is gone.";
+  } else {
+    out << ". ---> HINT: every rank of a group must call the same collectives in the same order; "
+           "FSDP_DEBUG=detail checks each call; if the ranks are only slow, raise "
+           "FSDP_COLLECTIVE_TIMEOUT_S (seconds).";
+  }
   poison(out.str());
   std::lock_guard<std::mutex> lock(record->mutex);
   if (record->message.empty()) record->message = out.str();
