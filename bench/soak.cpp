@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <csignal>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -86,6 +87,13 @@ bool sample(int pid, Sample* s) {
   }
   s->fds = n;
   return true;
+}
+
+// The training job's process group, stopped with us on Ctrl-C or SIGTERM.
+volatile sig_atomic_t g_child = 0;
+void stop_child(int sig) {
+  if (g_child > 0) kill(-g_child, SIGTERM);
+  _exit(128 + sig);
 }
 
 double mean(const std::vector<double>& v, size_t a, size_t b) {
@@ -164,6 +172,9 @@ int run_soak(const std::vector<std::string>& args) {
     _exit(127);
   }
   setpgid(child, child);
+  g_child = child;
+  std::signal(SIGINT, stop_child);
+  std::signal(SIGTERM, stop_child);
   const auto start = Clock::now();
   std::map<int, std::vector<double>> t_of, rss_of, fds_of, thr_of;
   json samples = json::array();
