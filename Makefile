@@ -35,8 +35,8 @@ test: build
 	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) --repeat until-pass:2 $(CTEST_ARGS)
 
 demo: build
-	$(BUILD_DIR)/bin/fsdp-train --model transformer-small --strategy fsdp --devices 2 \
-	    --max-steps 40 --batch-size 4 --lr 1e-3 $(DEMO_ARGS)
+	$(BUILD_DIR)/bin/fsdp-train --model gpt2-mini --vocab-size 128 --strategy fsdp --devices 2 \
+	    --max-steps 80 --batch-size 8 --block-size 64 --lr 1e-3 $(DEMO_ARGS)
 
 bench: build
 	$(BUILD_DIR)/bin/fsdp-bench comm --json

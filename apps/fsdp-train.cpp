@@ -255,11 +255,15 @@ Data load_data(const Args& a) {
   int64_t tokens = a.num_tokens;
   if (tokens <= 0) {
     // Enough that one epoch covers max_steps steps (depends only on the global batch, so runs
-    // with the same global batch over different worlds read the same corpus), at least 100k.
+    // with the same global batch over different worlds read the same corpus), at least 100k,
+    // at most 16M tokens (128 MB): longer runs (a soak's --max-steps 100000000) go round it
+    // in epochs instead of asking for a corpus larger than memory.
+    constexpr int64_t kMaxAutoTokens = int64_t{1} << 24;
     const int64_t world = a.world();
-    const int64_t steps = std::max<int64_t>(a.trainer.max_steps, 0);
+    const int64_t steps = std::min<int64_t>(std::max<int64_t>(a.trainer.max_steps, 0),
+                                            kMaxAutoTokens);
     const int64_t samples = steps * a.trainer.accumulate_grad_batches * a.batch_size * world + world;
-    tokens = std::max<int64_t>(100000, (samples + 2) * a.block_size);
+    tokens = std::min(kMaxAutoTokens, std::max<int64_t>(100000, (samples + 2) * a.block_size));
   }
   // One chain, one token stream: the first 90% trains, the rest validates (a different seed
   // would be a different chain, which no model could predict).
@@ -523,6 +527,14 @@ int run(const Args& a, const ModelSpec& spec_in) {
     if (a.data == "synthetic") {
       ref << ", a perfect model of the synthetic chain = "
           << fsdp::demos::SyntheticCorpus::entropy_rate();
+      // Lightning's demo Transformer feeds the targets to its decoder (causal mask, but position
+      // i sees target i), so it can copy and go below the chain's entropy; GPT-2 cannot.
+      if (a.model != "custom" && !fsdp::demos::is_transformer_model(a.model)) {
+        ref << " (causal: the floor for this model)";
+      } else {
+        ref << " (Lightning's demo Transformer sees each target in its decoder input and can "
+               "copy it, going below that; a gpt2-* model is causal)";
+      }
     }
     trainer.print(ref.str());
   }
@@ -562,6 +574,10 @@ int run(const Args& a, const ModelSpec& spec_in) {
     j["it_per_s"] = r.it_per_s;
     j["it_per_s_note"] = "optimizer steps per second, first step (warm-up) excluded";
     j["step_end_seconds"] = r.step_end_seconds;  // rank 0: loop start to the end of each step
+    j["forward_seconds"] = r.forward_seconds;    // rank 0, per step (FitResults)
+    j["backward_seconds"] = r.backward_seconds;
+    j["optimizer_seconds"] = r.optimizer_seconds;
+    j["comm_seconds"] = r.comm_seconds;
     std::vector<double> alloc, rss;
     for (auto b : r.peak_alloc_bytes) alloc.push_back(b / 1048576.0);
     for (auto b : r.peak_rss_bytes) rss.push_back(b / 1048576.0);

@@ -310,6 +310,22 @@ int run_peers(const std::vector<std::string>& args) {
       r["peak_rss_vs_pytorch_ddp"] = r["peak_rss_mb_max"].get<double>() / rss;
     }
   }
+  // Issue 17 goal 3: fsdp.cpp over PyTorch in the same configuration (DDP over PyTorch DDP,
+  // FULL_SHARD over FSDP2, ...), goal >= 1.25.
+  json goal3 = json::object();
+  for (auto& r : runs) {
+    if (r["system"] != "fsdp.cpp" || r.contains("error")) continue;
+    for (const auto& p : runs) {
+      const std::string sys = p["system"].get<std::string>();
+      if (p["config"] == r["config"] && sys.rfind("pytorch-", 0) == 0 && !p.contains("error")) {
+        r["it_per_s_vs_pytorch_same_config"] = r["it_per_s"].get<double>() / p["it_per_s"].get<double>();
+        goal3[r["config"].get<std::string>()] = {{"baseline", sys},
+                                                 {"ratio", r["it_per_s_vs_pytorch_same_config"]},
+                                                 {"goal", 1.25}};
+      }
+    }
+  }
+  out["goal3_fsdp_cpp_over_pytorch"] = goal3;
   out["baseline"] = base ? json("pytorch-ddp") : json(nullptr);
   out["runs"] = runs;
   out["load_average_end"] = load_average();

@@ -93,7 +93,9 @@ nlohmann::json last_json_object(const std::string& text) {
 namespace {
 
 int64_t vocab_of(const TrainRun& run) {
-  return fsdp::demos::transformer_preset(run.model, run.vocab_size).vocab_size;
+  return fsdp::demos::is_transformer_model(run.model)
+             ? fsdp::demos::transformer_preset(run.model, run.vocab_size).vocab_size
+             : fsdp::demos::gpt_preset(run.model, run.vocab_size).vocab_size;
 }
 
 std::string num(double v) {  // all digits that matter (std::to_string(1e-8) is "0.000000")
@@ -163,7 +165,8 @@ nlohmann::json run_fsdp_train(const std::string& fsdp_train, const TrainRun& run
                            s["setup_peak_rss_mb"][i].get<double>()));
   }
   for (const char* key : {"strategy", "world_size", "params", "steps", "losses",
-                          "step_end_seconds", "peak_alloc_mb", "setup_peak_alloc_mb",
+                          "step_end_seconds", "forward_seconds", "backward_seconds",
+                          "optimizer_seconds", "comm_seconds", "peak_alloc_mb", "setup_peak_alloc_mb",
                           "minor_faults_per_step", "user_seconds_per_step",
                           "sys_seconds_per_step"}) {
     if (s.contains(key)) r[key] = s[key];

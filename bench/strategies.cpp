@@ -42,6 +42,7 @@ struct Config {
   int64_t batch_size = 4;
   int64_t block_size = 35;
   std::string wrap_policy = "layers";
+  int64_t vocab_size = 0;  // 0: fsdp-train's default for synthetic data (the preset's, capped at 1024)
   std::string fsdp_train;
   std::string work_dir;
   bool json_only = false;
@@ -92,6 +93,7 @@ json run_one(const Config& c, const Entry& e) {
                                    "--seed", "42", "--limit-val-batches", "0", "--no-progress-bar",
                                    "--default-root-dir", (dir / "logs").string(),
                                    "--summary-json", summary.string()};
+  if (c.vocab_size > 0) argv.insert(argv.end(), {"--vocab-size", std::to_string(c.vocab_size)});
   argv.insert(argv.end(), e.extra.begin(), e.extra.end());
   std::fprintf(stderr, "[bench strategies] %s on %d rank(s) ...\n", e.label.c_str(), c.devices);
   const int code = run(argv, dir / (e.label + ".out"), dir / (e.label + ".err"));
@@ -133,6 +135,10 @@ int run_strategies(const std::vector<std::string>& args) {
   app.add_option("--batch-size", c.batch_size, "per rank")->capture_default_str();
   app.add_option("--block-size", c.block_size, "tokens per sample")->capture_default_str();
   app.add_option("--wrap-policy", c.wrap_policy, "FSDP units: layers | size:N | none")
+      ->capture_default_str();
+  app.add_option("--vocab-size", c.vocab_size,
+                 "synthetic vocabulary (0: fsdp-train's default, the preset's capped at 1024; "
+                 "33278 is transformer-small's own, the seed table's)")
       ->capture_default_str();
   app.add_option("--fsdp-train", c.fsdp_train, "path of fsdp-train (default: beside fsdp-bench)");
   app.add_option("--work-dir", c.work_dir, "logs and summaries (default: a fresh /tmp dir)");
@@ -179,7 +185,7 @@ int run_strategies(const std::vector<std::string>& args) {
 
   json out;
   out["bench"] = "strategies";
-  out["config"] = {{"model", c.model},           {"devices", c.devices},
+  out["config"] = {{"model", c.model},           {"vocab_size", c.vocab_size}, {"devices", c.devices},
                    {"steps", c.steps},           {"timed_steps", c.steps - 1},
                    {"batch_size_per_rank", c.batch_size}, {"block_size", c.block_size},
                    {"wrap_policy", c.wrap_policy}, {"optimizer", "adam"},

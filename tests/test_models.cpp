@@ -114,6 +114,12 @@ TEST(Models, ParameterCountFormulaMatchesConstructedModels) {
   EXPECT_GT(billion, 0.98e9);
   EXPECT_LT(billion, 1.04e9);
   EXPECT_EQ(fsdp::demos::model_parameter_count("gpt2-124m"), 124439808);
+  // make demo's model: 4 blocks of width 256 (12 * 256^2 + 13 * 256 each), 128 positions and
+  // 128 tokens of width 256, the final LayerNorm.
+  const int64_t d = 256;
+  EXPECT_EQ(fsdp::demos::model_parameter_count("gpt2-mini", 128),
+            4 * (12 * d * d + 13 * d) + 128 * d + 128 * d + 2 * d);
+  EXPECT_EQ(fsdp::demos::model_parameter_count("gpt2-mini", 128), 3225088);
 }
 
 TEST(Models, ParameterNamesFollowThePythonDemo) {
@@ -301,7 +307,8 @@ TEST(Models, BlocksAreHookedWrapPolicyTypes) {
 TEST(Models, RegistryNamesAndErrors) {
   auto names = fsdp::demos::model_names();
   for (const char* n :
-       {"transformer-tiny", "transformer-small", "transformer-1b", "gpt2-tiny", "gpt2-124m"}) {
+       {"transformer-tiny", "transformer-small", "transformer-1b", "gpt2-tiny", "gpt2-mini",
+        "gpt2-124m"}) {
     EXPECT_NE(std::find(names.begin(), names.end(), n), names.end()) << n;
   }
   const std::string msg = error_of([] { fsdp::demos::make_model("transformer-huge"); });

@@ -327,4 +327,72 @@ TEST(MultiHost, LostHostStopsSurvivorsNamingItAndHostZeroResumesAtWorldTwo) {
   }
 }
 
+// A host that vanishes without a word (cable pulled, power lost): host 1's switch port goes
+// down mid-training, so its packets disappear and no connection is reset. Nothing fails fast;
+// host 0's ranks must stop at the collective timeout (10 s here) with an error that names the
+// collective and its sequence number, instead of hanging. The port is brought back up for the
+// tests after this one.
+TEST(MultiHost, SilentLinkLossTimesOutNamingTheCollective) {
+  HOSTS_OR_SKIP(hosts);
+  const fs::path ckpt = scratch() / "cut_ckpt";
+  fs::remove_all(ckpt);
+  std::vector<std::future<ProcResult>> running;
+  for (int node = 0; node < 2; ++node) {
+    std::vector<std::string> argv = {kScript, "exec", hosts, std::to_string(node),
+                                     fsdp::testing::bin_path("fsdp-run"), "-n", "2", "--nnodes",
+                                     "2", "--node-rank", std::to_string(node), "--master-addr",
+                                     "10.77.0.1", "--master-port", "29500", "--job-id", "cut",
+                                     "--"};
+    auto train = train_args(100000, (scratch() / "cut.json").string());
+    argv.insert(argv.end(), train.begin(), train.end());
+    argv.insert(argv.end(), {"--devices", "2", "--num-nodes", "2", "--strategy", "fsdp",
+                             "--batch-size", "2", "--num-tokens", "100000", "--checkpoint-dir",
+                             ckpt.string(), "--save-every-n-steps", "2", "--save-top-k", "1",
+                             "--state-dict-type", "sharded"});
+    running.push_back(std::async(std::launch::async, [argv] {
+      return run_process(argv, {{"FSDP_RENDEZVOUS_TIMEOUT_S", "60"},
+                                {"FSDP_COLLECTIVE_TIMEOUT_S", "10"}},
+                         300);
+    }));
+  }
+  using Clock = std::chrono::steady_clock;
+  const auto give_up = Clock::now() + std::chrono::seconds(240);
+  while (!fs::exists(ckpt / "step-2") && Clock::now() < give_up &&
+         running[0].wait_for(std::chrono::milliseconds(50)) != std::future_status::ready) {
+  }
+  ASSERT_TRUE(fs::exists(ckpt / "step-2")) << "the job did not train; host 0:\n"
+                                           << running[0].get().err;
+  auto cut = run_process({kScript, "cut", hosts, "1"});
+  const auto t_cut = Clock::now();
+  ASSERT_EQ(cut.exit_code, 0) << cut.err;
+  running[0].wait();
+  const double exit_s = std::chrono::duration<double>(Clock::now() - t_cut).count();
+  ProcResult host0 = running[0].get();
+  auto mend = run_process({kScript, "mend", hosts, "1"});
+  EXPECT_EQ(mend.exit_code, 0) << mend.err;
+  // Host 1's ranks cannot reach anyone either: they time out the same way (or are stopped).
+  running[1].get();
+  std::cout << "[ measured ] host 0's ranks exited " << exit_s
+            << " s after host 1's link went silent (collective timeout 10 s)" << std::endl;
+  EXPECT_NE(host0.exit_code, 0) << host0.err;
+  if (auto at = host0.err.find("timed out after"); at != std::string::npos) {
+    const auto from = host0.err.rfind('\n', at);
+    std::cout << "[ measured ] " << host0.err.substr(from == std::string::npos ? 0 : from + 1,
+                                                      host0.err.find('\n', at) - from)
+              << std::endl;
+  }
+  EXPECT_NE(host0.err.find("timed out after"), std::string::npos)
+      << "host 0 should stop at the collective timeout:\n" << host0.err;
+  const bool names_collective = host0.err.find("all_gather #") != std::string::npos ||
+                                host0.err.find("reduce_scatter #") != std::string::npos ||
+                                host0.err.find("all_reduce #") != std::string::npos ||
+                                host0.err.find("broadcast #") != std::string::npos;
+  EXPECT_TRUE(names_collective) << "the error should name the collective:\n" << host0.err;
+  // ... and says the ranks went silent, where they are, and what to do.
+  EXPECT_NE(host0.err.find("ranks 2,3 have not been heard from"), std::string::npos) << host0.err;
+  EXPECT_NE(host0.err.find("host " + hosts + "-h1 at 10.77.0.2"), std::string::npos) << host0.err;
+  EXPECT_NE(host0.err.find("--ckpt-path DIR/last"), std::string::npos) << host0.err;
+  // No wall-time assertion: a hang would end at run_process's 300 s limit and fail above.
+}
+
 }  // namespace

@@ -113,6 +113,11 @@ struct ProcessGroupOptions {
   int master_port = 0;
 };
 
+// Seconds this process's communication threads have spent running collectives (every group,
+// every op, from the moment an op starts to the moment it finishes; queued time excluded).
+// Monotonic over the process; callers take differences (the Trainer's per-step comm_seconds).
+double comm_busy_seconds();
+
 // Creates the world group from the environment. World size 1 without any env is fine.
 ProcessGroupPtr init_process_group(const ProcessGroupOptions& options = {});
 

@@ -237,6 +237,7 @@ int64_t parameter_count(const GPTOptions& options);
 //   transformer-small  vocab 33278*, ninp 512, nhead 8,  nhid 2048, nlayers 4
 //   transformer-1b     vocab 33278, ninp 1024, nhead 64, nhid 4096, nlayers 32  (~1.0e9 params)
 //   gpt2-tiny          vocab 128*,  block 64,  n_layer 2,  n_head 2,  n_embd 32 (tests)
+//   gpt2-mini          vocab 128*,  block 128, n_layer 4,  n_head 4,  n_embd 256 (make demo)
 //   gpt2-124m          vocab 50257, block 1024, n_layer 12, n_head 12, n_embd 768 (~124M, tied)
 //
 // (*) vocab_size > 0 replaces the preset's vocabulary (pass the dataset's). The large presets

@@ -143,6 +143,17 @@ struct FitResults {
   // (after its loss was averaged over the ranks, a synchronization point), on this rank's
   // clock. Benchmarks compute it/s over any warm-up from it, as they do for their peers.
   std::vector<double> step_end_seconds;
+  // Per optimizer step, on this rank: where the step's time went. forward: the micro-batches'
+  // training_step under the strategy's pre-forward (FSDP's all-gathers run inside it); backward:
+  // backward and the gradient reduction (post_backward); optimizer: clipping, the step,
+  // zero_grad and the scheduler. comm: seconds this process's communication threads spent
+  // running collectives during the step (fsdp::comm_busy_seconds; it overlaps the other parts).
+  // The rest of a step (step_end_seconds differences minus the three parts) is data loading,
+  // the loss all-reduce and reporting.
+  std::vector<double> forward_seconds;
+  std::vector<double> backward_seconds;
+  std::vector<double> optimizer_seconds;
+  std::vector<double> comm_seconds;
   int64_t params = 0;              // parameter elements of the model after configure_model
   int64_t trainable_params = 0;
   // Per rank, during training: the peaks are reset once setup (configure_model, sharding,

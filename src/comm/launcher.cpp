@@ -238,6 +238,11 @@ void check_options(const LaunchOptions& o) {
   ::setenv("OMP_NUM_THREADS", std::to_string(threads).c_str(), 1);
   ::setenv(kEnvNumThreads, std::to_string(threads).c_str(), 1);
   if (devices > available_cores()) ::setenv("OMPI_MCA_mpi_yield_when_idle", "1", 1);
+  // OpenMPI gives its children a pseudo-terminal for stdout even when ours is a pipe or file;
+  // tell them what ours is (ProgressBar::stdout_is_terminal).
+  if (!::getenv("FSDP_STDOUT_IS_TERMINAL")) {
+    ::setenv("FSDP_STDOUT_IS_TERMINAL", ::isatty(STDOUT_FILENO) == 1 ? "1" : "0", 1);
+  }
   std::vector<char*> cargv;
   for (auto& a : argv) cargv.push_back(a.data());
   cargv.push_back(nullptr);

@@ -9,6 +9,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <sstream>
 
@@ -57,6 +58,9 @@ namespace fsdp::detail {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// Sum over every op run by this process's comm threads (fsdp::comm_busy_seconds).
+std::atomic<int64_t> comm_busy_ns{0};
 
 std::string error_text(const std::exception_ptr& e) {
   try {
@@ -446,7 +450,10 @@ void GroupImpl::run_record(const std::shared_ptr<OpRecord>& record, const Finger
       error = std::current_exception();
     }
     thread_->set_current(nullptr);
-    const bool near_deadline = Clock::now() - record->started >= config_.timeout * 9 / 10;
+    const auto ran = Clock::now() - record->started;
+    comm_busy_ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(ran).count(),
+                           std::memory_order_relaxed);
+    const bool near_deadline = ran >= config_.timeout * 9 / 10;
     if (error && near_deadline) {
       // Gloo's own per-op timeout fired: poison with the full timeout message, so work queued
       // behind it reports the missing ranks too.
@@ -479,10 +486,15 @@ std::string GroupImpl::timeout_message(const std::shared_ptr<OpRecord>& record) 
                                                               record->seq, config_.timeout)
                                  : "no monitor to tell which ranks are missing";
   std::ostringstream out;
-  out << record->what << " timed out after " << seconds_text(config_.timeout) << ": " << missing
-      << ". ---> HINT: every rank of a group must call the same collectives in the same order; "
-         "FSDP_DEBUG=detail checks each call; if the ranks are only slow, raise "
-         "FSDP_COLLECTIVE_TIMEOUT_S (seconds).";
+  out << record->what << " timed out after " << seconds_text(config_.timeout) << ": " << missing;
+  if (missing.find(kSilentRanks) != std::string::npos) {
+    out << ". ---> HINT: check that host and its network; then restart from the last checkpoint "
+           "(--ckpt-path DIR/last), at a smaller world size if the host is gone.";
+  } else {
+    out << ". ---> HINT: every rank of a group must call the same collectives in the same order; "
+           "FSDP_DEBUG=detail checks each call; if the ranks are only slow, raise "
+           "FSDP_COLLECTIVE_TIMEOUT_S (seconds).";
+  }
   poison(out.str());
   std::lock_guard<std::mutex> lock(record->mutex);
   if (record->message.empty()) record->message = out.str();
@@ -741,3 +753,11 @@ std::shared_ptr<ProcessGroup> GroupImpl::new_subgroup(const std::vector<int>& ra
 }
 
 }  // namespace fsdp::detail
+
+namespace fsdp {
+
+double comm_busy_seconds() {
+  return static_cast<double>(detail::comm_busy_ns.load(std::memory_order_relaxed)) * 1e-9;
+}
+
+}  // namespace fsdp

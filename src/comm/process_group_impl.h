@@ -106,6 +106,10 @@ class CommThread {
   std::shared_ptr<OpRecord> current_;
 };
 
+// What describe_missing says of ranks whose liveness counter stopped.
+inline constexpr const char* kSilentRanks =
+    "their host is lost, the network to it is down, or their processes are stopped";
+
 // Publishes, per group, the sequence number and op of the collective this rank last called,
 // and answers "which ranks did not join collective #s" when one times out.
 // See Note [Collective timeouts].
@@ -138,6 +142,8 @@ class Monitor {
   bool stopping_ = false;
   bool store_broken_ = false;
   std::chrono::milliseconds period_{1000};
+  std::chrono::milliseconds initial_period_{1000};  // every rank's heartbeat interval
+  int64_t beats_ = 0;  // this rank's liveness counter (fsdp/hb/alive/<rank>), once per period
   std::thread thread_;
 };
 

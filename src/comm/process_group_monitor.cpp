@@ -2,9 +2,12 @@
 // See Note [Collective timeouts] in process_group_impl.cpp.
 #include "comm/process_group_impl.h"
 
+#include "comm/rendezvous.h"
+
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <algorithm>
+#include <iomanip>
 #include <map>
 #include <sstream>
 
@@ -31,7 +34,7 @@ std::string join(const std::vector<int>& v) {
 
 Monitor::Monitor(c10::intrusive_ptr<c10d::Store> store, int world_rank,
                  std::chrono::milliseconds period)
-    : store_(std::move(store)), world_rank_(world_rank), period_(period) {
+    : store_(std::move(store)), world_rank_(world_rank), period_(period), initial_period_(period) {
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -78,6 +81,9 @@ void Monitor::loop() {
         e.published = v;
       }
     }
+    // Liveness, whatever the collectives do: a rank whose counter stops has lost its host, its
+    // network or its process (Note [Collective timeouts]).
+    publish_locked("alive", ++beats_);
     cv_.wait_for(lock, period_, [&] { return stopping_; });
   }
 }
@@ -103,20 +109,40 @@ std::string Monitor::describe_missing(const std::string& uid,
       if (store_broken_) return "(cannot tell which ranks are missing: the store on rank 0 is gone)";
     }
     cv_.notify_all();
-    // Others publish at most one (old) period after a change: wait that long once.
-    std::this_thread::sleep_for(std::min<std::chrono::milliseconds>(
-        std::chrono::milliseconds(1100),
-        std::max<std::chrono::milliseconds>(std::chrono::milliseconds(300), timeout / 2)));
-    std::vector<int> behind;
-    std::vector<std::string> details;
-    std::vector<int> ahead;
+    // Liveness counters now and after the wait: a rank whose counter did not move in more than
+    // its heartbeat period is not running or not reachable.
+    auto alive_values = [&] {
+      std::map<int, std::string> v;
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (int r : world_ranks) {
+        if (r == world_rank_) continue;
+        auto key = key_for("alive", r);
+        if (store_->check({key})) {
+          auto raw = store_->get(key);
+          v[r] = std::string(raw.begin(), raw.end());
+        }
+      }
+      return v;
+    };
+    const auto alive_before = alive_values();
+    // Others publish at most one (old) period after a change: wait that long once, and longer
+    // than one heartbeat period so a live rank's counter moves.
+    const auto wait = std::max<std::chrono::milliseconds>(
+        initial_period_ + std::chrono::milliseconds(500),
+        std::min<std::chrono::milliseconds>(
+            std::chrono::milliseconds(1100),
+            std::max<std::chrono::milliseconds>(std::chrono::milliseconds(300), timeout / 2)));
+    std::this_thread::sleep_for(wait);
+    const auto alive_after = alive_values();
+    std::vector<int> behind, ahead;
+    std::map<int, std::string> details;
     std::lock_guard<std::mutex> lock(mutex_);
     for (int r : world_ranks) {
       if (r == world_rank_) continue;
       auto key = key_for(uid, r);
       if (!store_->check({key})) {
         behind.push_back(r);
-        details.push_back("rank " + std::to_string(r) + " never called a collective on this group");
+        details[r] = "rank " + std::to_string(r) + " never called a collective on this group";
         continue;
       }
       auto raw = store_->get(key);
@@ -125,26 +151,51 @@ std::string Monitor::describe_missing(const std::string& uid,
       auto their_op = to_string(static_cast<CollectiveOp>(v & 15));
       if (their_seq < seq) {
         behind.push_back(r);
-        details.push_back("rank " + std::to_string(r) + " last called " + their_op + " #" +
-                          std::to_string(their_seq));
+        details[r] = "rank " + std::to_string(r) + " last called " + their_op + " #" +
+                     std::to_string(their_seq);
       } else if (their_seq > seq) {
         ahead.push_back(r);
-        details.push_back("rank " + std::to_string(r) + " already called " + their_op + " #" +
-                          std::to_string(their_seq) + ", so it skipped this one or called a "
-                                                      "different collective");
+        details[r] = "rank " + std::to_string(r) + " already called " + their_op + " #" +
+                     std::to_string(their_seq) + ", so it skipped this one or called a "
+                                                 "different collective";
       }
     }
+    // Behind and silent: what they last called says nothing (they stopped); the survivors'
+    // positions are a consequence. Name them, where they run, and why they may be gone.
+    std::vector<int> silent, waiting;
+    for (int r : behind) {
+      auto b = alive_before.find(r), a = alive_after.find(r);
+      const bool stopped =
+          b != alive_before.end() && a != alive_after.end() && a->second == b->second;
+      (stopped ? silent : waiting).push_back(r);
+    }
+    auto ranks_word = [](const std::vector<int>& v) { return v.size() == 1 ? "rank " : "ranks "; };
     std::ostringstream out;
-    if (!behind.empty()) out << "ranks " << join(behind) << " did not join";
+    if (!silent.empty()) {
+      const std::string where = hosts_of_ranks(silent);
+      out << ranks_word(silent) << join(silent) << (silent.size() == 1 ? " has" : " have")
+          << " not been heard from for " << std::fixed << std::setprecision(1)
+          << std::chrono::duration<double>(wait).count() << " s"
+          << (where.empty() ? std::string() : " (" + where + ")") << ": " << kSilentRanks;
+      if (waiting.empty()) return out.str();
+      out << "; ";
+      ahead.clear();
+    }
+    if (!waiting.empty()) out << "ranks " << join(waiting) << " did not join";
     if (!ahead.empty()) {
-      out << (behind.empty() ? "" : "; ") << "ranks " << join(ahead) << " are past it";
+      out << (waiting.empty() ? "" : "; ") << "ranks " << join(ahead) << " are past it";
     }
     if (behind.empty() && ahead.empty()) {
       out << "every rank called it, so the transfer itself is stuck or very slow (overloaded "
              "host or network?)";
-    } else {
+      return out.str();
+    }
+    std::vector<std::string> shown;
+    for (int r : waiting) shown.push_back(details[r]);
+    for (int r : ahead) shown.push_back(details[r]);
+    if (!shown.empty()) {
       out << " (";
-      for (size_t i = 0; i < details.size(); ++i) out << (i ? "; " : "") << details[i];
+      for (size_t i = 0; i < shown.size(); ++i) out << (i ? "; " : "") << shown[i];
       out << ")";
     }
     return out.str();

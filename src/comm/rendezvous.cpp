@@ -300,6 +300,20 @@ std::string describe_peer_in(const std::string& error_text) {
   return "";
 }
 
+std::string hosts_of_ranks(const std::vector<int>& ranks) {
+  std::lock_guard<std::mutex> lock(g_roster_mutex);
+  std::vector<std::string> seen;
+  for (const auto& e : g_roster) {
+    if (std::find(ranks.begin(), ranks.end(), e.rank) == ranks.end()) continue;
+    if (e.address == "?" || is_loopback(e.address)) continue;
+    const std::string h = "host " + e.host + " at " + e.address;
+    if (std::find(seen.begin(), seen.end(), h) == seen.end()) seen.push_back(h);
+  }
+  std::string out;
+  for (const auto& h : seen) out += (out.empty() ? "" : ", ") + h;
+  return out;
+}
+
 std::string job_id_from_env() {
   auto env = [](const char* name) -> std::string {
     const char* v = std::getenv(name);

@@ -41,6 +41,9 @@ int listen_on(const std::string& host, int port);
 // that appears in `error_text` (Gloo names the peer "[10.77.0.2]:41234"), "the peer 10.77.0.2
 // is host h1 (ranks 2,3)"; else "".
 std::string describe_peer_in(const std::string& error_text);
+// The hosts of these world ranks from the roster, "host h1 at 10.77.0.2" (several joined by
+// ", "); "" when the roster is empty or the ranks are on loopback (one host).
+std::string hosts_of_ranks(const std::vector<int>& ranks);
 
 // The job id of this process: FSDP_JOB_ID, else torchrun's TORCHELASTIC_RUN_ID, else SLURM's
 // SLURM_JOB_ID[.SLURM_STEP_ID], else "".

@@ -9,7 +9,8 @@ namespace {
 
 const std::vector<std::string>& names() {
   static const std::vector<std::string> kNames = {"transformer-tiny", "transformer-small",
-                                                  "transformer-1b", "gpt2-tiny", "gpt2-124m"};
+                                                  "transformer-1b", "gpt2-tiny", "gpt2-mini",
+                                                  "gpt2-124m"};
   return kNames;
 }
 
@@ -65,6 +66,9 @@ GPTOptions gpt_preset(const std::string& name, int64_t vocab_size, double dropou
   if (name == "gpt2-tiny") {
     o.vocab_size = vocab_or(vocab_size, 128);
     o.block_size = 64, o.n_layer = 2, o.n_head = 2, o.n_embd = 32;
+  } else if (name == "gpt2-mini") {
+    o.vocab_size = vocab_or(vocab_size, 128);
+    o.block_size = 128, o.n_layer = 4, o.n_head = 4, o.n_embd = 256;
   } else if (name == "gpt2-124m") {
     o.vocab_size = fixed_vocab(name, 50257, vocab_size);
     o.block_size = 1024, o.n_layer = 12, o.n_head = 12, o.n_embd = 768;

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <iomanip>
 #include <ostream>
 #include <sstream>
@@ -19,7 +20,12 @@ ProgressBar::ProgressBar(std::ostream& out, bool is_terminal, int64_t total_step
       start_(Clock::now()),
       last_draw_(start_) {}
 
-bool ProgressBar::stdout_is_terminal() { return isatty(fileno(stdout)) == 1; }
+// FSDP_STDOUT_IS_TERMINAL: set by the launcher before it re-executes through mpirun, whose
+// children see a pseudo-terminal whatever the user's stdout is.
+bool ProgressBar::stdout_is_terminal() {
+  if (const char* v = std::getenv("FSDP_STDOUT_IS_TERMINAL")) return std::string(v) == "1";
+  return isatty(fileno(stdout)) == 1;
+}
 
 std::string ProgressBar::format_duration(double seconds) {
   if (!std::isfinite(seconds) || seconds < 0) return "--:--";

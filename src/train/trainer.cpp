@@ -123,9 +123,10 @@ void distribute(DataLoader& loader, int world, int rank) {
 }
 
 using Clock = std::chrono::steady_clock;
-double seconds_since(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
+double seconds_between(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
 }
+double seconds_since(Clock::time_point t) { return seconds_between(t, Clock::now()); }
 
 }  // namespace
 
@@ -285,6 +286,12 @@ struct Trainer::FitLoop {
           Strategy& strategy)
       : module(m), train_loader(train), val_loader(val), opt(std::move(o)), metrics(strategy) {}
   double loss_sum = 0;  // this rank's undivided training losses since the last step
+  // This step's parts so far (FitResults::forward_seconds ...) and the comm-thread clock at the
+  // end of the last step.
+  double step_forward = 0;
+  double step_backward = 0;
+  double step_optimizer = 0;
+  double comm_mark = 0;
   int64_t loss_count = 0;
   bool stop = false;
 };
@@ -304,6 +311,7 @@ void Trainer::fit_impl(LightningModule& module, DataLoader& train_loader,
   for (const auto& cb : fit_callbacks_) cb->on_fit_start(*this, module);
 
   L.loop_start = Clock::now();
+  L.comm_mark = comm_busy_seconds();
   L.stop = L.total_steps >= 0 && global_step_ >= L.total_steps;
   for (int64_t epoch = L.start_epoch; !L.stop && (L.max_epochs < 0 || epoch < L.max_epochs);
        ++epoch) {
@@ -431,6 +439,7 @@ std::unique_ptr<Trainer::FitLoop> Trainer::setup_fit(LightningModule& module,
 void Trainer::train_micro_batch(FitLoop& L, const Batch& batch, int64_t batch_idx,
                                 bool boundary) {
   const int64_t k = L.accumulate;
+  const auto forward_start = Clock::now();
   strategy_->pre_forward(L.module, /*sync=*/boundary);
   L.module.logged().clear();
   at::Tensor loss;
@@ -448,8 +457,11 @@ void Trainer::train_micro_batch(FitLoop& L, const Batch& batch, int64_t batch_id
               "trainable parameter (was it computed under NoGradGuard or detached?)");
   at::Tensor to_backward = k > 1 ? loss / static_cast<double>(k) : loss;
   if (grad_scaler_) to_backward = grad_scaler_->scale(to_backward);
+  const auto backward_start = Clock::now();
+  L.step_forward += seconds_between(forward_start, backward_start);
   strategy_->backward(to_backward);
   strategy_->post_backward(L.module, /*sync=*/boundary);
+  L.step_backward += seconds_since(backward_start);
   L.loss_sum += loss.detach().item<double>();
   ++L.loss_count;
   ++results_.micro_batches;
@@ -460,6 +472,7 @@ void Trainer::train_micro_batch(FitLoop& L, const Batch& batch, int64_t batch_id
 // 16-mixed: hooks and clipping see unscaled gradients, and the step is skipped on every rank
 // when any rank's gradients hold inf/nan (Lightning's MixedPrecision plugin, in this order).
 void Trainer::optimizer_step(FitLoop& L) {
+  const auto start = Clock::now();
   if (grad_scaler_) grad_scaler_->unscale(*L.opt.optimizer);
   L.module.on_before_optimizer_step(*L.opt.optimizer);
   if (options_.gradient_clip_val > 0) {
@@ -474,6 +487,7 @@ void Trainer::optimizer_step(FitLoop& L) {
   }
   strategy_->zero_grad(*L.opt.optimizer);
   if (L.opt.scheduler) L.opt.scheduler->step();
+  L.step_optimizer = seconds_since(start);
   ++global_step_;
   if (global_step_ == L.start_step + 1) L.first_step_done = Clock::now();
   if (L.total_steps >= 0 && global_step_ >= L.total_steps) L.stop = true;
@@ -488,6 +502,13 @@ void Trainer::report_step(FitLoop& L) {
   L.loss_count = 0;
   results_.losses.push_back(global_loss);
   results_.step_end_seconds.push_back(seconds_since(L.loop_start));
+  const double comm_now = comm_busy_seconds();
+  results_.forward_seconds.push_back(L.step_forward);
+  results_.backward_seconds.push_back(L.step_backward);
+  results_.optimizer_seconds.push_back(L.step_optimizer);
+  results_.comm_seconds.push_back(comm_now - L.comm_mark);
+  L.comm_mark = comm_now;
+  L.step_forward = L.step_backward = L.step_optimizer = 0;
   for (const auto& kv : L.metrics.step_values()) callback_metrics_[kv.first] = kv.second;
   results_.steps = global_step_;
   if (L.bar) {

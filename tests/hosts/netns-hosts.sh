@@ -12,6 +12,9 @@
 #   netns-hosts.sh addr I                host I's address
 #   netns-hosts.sh bytes NAME I          "<tx> <rx>" bytes host I sent/received on its link
 #   netns-hosts.sh kill NAME I           SIGKILL every process on host I (a lost host)
+#   netns-hosts.sh cut NAME I            take host I's switch port down: its packets vanish,
+#                                        no reset reaches anyone (a pulled cable, a dead host)
+#   netns-hosts.sh mend NAME I           bring host I's switch port back up
 #   netns-hosts.sh mpi-agent             (OpenMPI plm_rsh_agent) HOST CMD...: run on HOST
 #   netns-hosts.sh fixture-up NAME N FILE   ctest setup: `up`, or write why not into FILE
 #
@@ -118,11 +121,17 @@ case "$cmd" in
     rm -f "$3"
     if ! reason=$(check 2>&1); then echo "$reason" > "$3"; echo "$reason (tests will skip)"; exit 0; fi
     up "$1" "$2" ;;
+  cut)
+    [ $# = 2 ] || die "usage: cut NAME I"
+    ip -n "$1-sw" link set "h$2" down ;;
+  mend)
+    [ $# = 2 ] || die "usage: mend NAME I"
+    ip -n "$1-sw" link set "h$2" up ;;
   mpi-agent)
     # OpenMPI's rsh agent: "AGENT [options] HOST CMD...". HOST is NAME-hI.
     while [[ "${1:-}" == -* ]]; do shift; done
     host=$1; shift
     [[ "$host" =~ ^(.+)-h([0-9]+)$ ]] || die "mpi-agent: host '$host' is not NAME-hI"
     host_exec "${BASH_REMATCH[1]}" "${BASH_REMATCH[2]}" bash -c "$*" ;;
-  *) die "usage: netns-hosts.sh check|up|down|exec|addr|bytes|mpi-agent ..." ;;
+  *) die "usage: netns-hosts.sh check|up|down|exec|addr|bytes|kill|cut|mend|mpi-agent ..." ;;
 esac
