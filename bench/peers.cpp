@@ -9,6 +9,10 @@
 //                  the root, reshard_after_forward True/False, MixedPrecisionPolicy(bf16, bf16))
 //                  Lightning (bench/peers/lightning_peer.py: Trainer(accelerator="cpu",
 //                  strategy=DDPStrategy / FSDPStrategy))
+//                  DeepSpeed (bench/peers/deepspeed_peer.py: deepspeed.initialize on the CPU
+//                  accelerator over Gloo), for the ZeRO configurations zero1 | zero2 | zero3
+//                  (not in the default --configs; e.g. --systems fsdp.cpp,deepspeed
+//                  --configs zero1,zero2,zero3)
 //
 // Same for everyone, by construction:
 //   model    fsdp::demos::transformer_preset(--model, vocab): fsdp-train builds it, the peers
@@ -76,6 +80,12 @@ const std::vector<Config>& all_configs() {
       {"shard_grad_op", "SHARD_GRAD_OP", "fsdp", "SHARD_GRAD_OP", "fsdp-shard-grad-op", "32-true"},
       {"full_shard_bf16", "FULL_SHARD bf16-mixed", "fsdp", "FULL_SHARD", "fsdp-full-shard",
        "bf16-mixed"},
+      // ZeRO stages: fsdp.cpp's native deepspeed_stage_N beside DeepSpeed's own on the CPU
+      // accelerator (bench/peers/deepspeed_peer.py); PyTorch and Lightning have no such run
+      // (Lightning's DeepSpeedStrategy needs CUDA).
+      {"zero1", "ZeRO-1", "deepspeed_stage_1", "", "deepspeed-stage-1", "32-true"},
+      {"zero2", "ZeRO-2", "deepspeed_stage_2", "", "deepspeed-stage-2", "32-true"},
+      {"zero3", "ZeRO-3", "deepspeed_stage_3", "", "deepspeed-stage-3", "32-true"},
   };
   return configs;
 }
@@ -119,7 +129,9 @@ json run_one(const Options& o, const Config& c, const std::string& system) {
     if (!c.sharding.empty()) flags.insert(flags.end(), {"--sharding-strategy", c.sharding});
     r = fsdp::bench::run_fsdp_train(o.fsdp_train, o.run, flags, name);
   } else {
-    const std::string script = system == "lightning" ? "lightning_peer.py" : "torch_peer.py";
+    const std::string script = system == "lightning"   ? "lightning_peer.py"
+                               : system == "deepspeed" ? "deepspeed_peer.py"
+                                                       : "torch_peer.py";
     r = fsdp::bench::run_peer(o.python, (fs::path(o.peers) / script).string(), o.run,
                               {"--strategy", c.peer, "--precision", c.precision}, name);
     if (!r.contains("system")) r["system"] = system;
@@ -193,10 +205,11 @@ int run_peers(const std::vector<std::string>& args) {
   app.add_option("--dropout", run.dropout)->check(fsdp::cli::between(0.0, 0.99))->capture_default_str();
   app.add_option("--lr", run.lr)->check(fsdp::cli::greater_than(0.0))->capture_default_str();
   app.add_option("--seed", run.seed)->capture_default_str();
-  app.add_option("--systems", systems_arg, "comma list of pytorch, fsdp.cpp, lightning")
+  app.add_option("--systems", systems_arg, "comma list of pytorch, fsdp.cpp, lightning, deepspeed")
       ->capture_default_str();
   app.add_option("--configs", configs_arg,
-                 "comma list of ddp, full_shard, shard_grad_op, full_shard_bf16")
+                 "comma list of ddp, full_shard, shard_grad_op, full_shard_bf16, zero1, zero2, "
+                 "zero3")
       ->capture_default_str();
   app.add_option("--python", o.python, "interpreter with torch 2.x and lightning")
       ->capture_default_str();
@@ -219,9 +232,9 @@ int run_peers(const std::vector<std::string>& args) {
   };
   o.systems = split(systems_arg);
   for (const auto& s : o.systems) {
-    if (s != "pytorch" && s != "fsdp.cpp" && s != "lightning") {
+    if (s != "pytorch" && s != "fsdp.cpp" && s != "lightning" && s != "deepspeed") {
       std::cerr << "fsdp-bench peers: error: unknown system '" << s
-                << "' in --systems; valid: pytorch, fsdp.cpp, lightning\n";
+                << "' in --systems; valid: pytorch, fsdp.cpp, lightning, deepspeed\n";
       return 2;
     }
   }
@@ -231,7 +244,8 @@ int run_peers(const std::vector<std::string>& args) {
                            [&](const Config& c) { return c.name == name; });
     if (it == all_configs().end()) {
       std::cerr << "fsdp-bench peers: error: unknown configuration '" << name
-                << "' in --configs; valid: ddp, full_shard, shard_grad_op, full_shard_bf16\n";
+                << "' in --configs; valid: ddp, full_shard, shard_grad_op, full_shard_bf16, "
+                   "zero1, zero2, zero3\n";
       return 2;
     }
     configs.push_back(*it);
@@ -272,8 +286,11 @@ int run_peers(const std::vector<std::string>& args) {
 
   json runs = json::array();
   for (const auto& c : configs) {
-    for (const std::string system : {"pytorch", "fsdp.cpp", "lightning"}) {
+    const bool zero = c.fsdp_train.rfind("deepspeed", 0) == 0;
+    for (const std::string system : {"pytorch", "fsdp.cpp", "lightning", "deepspeed"}) {
       if (std::find(o.systems.begin(), o.systems.end(), system) == o.systems.end()) continue;
+      // DeepSpeed runs the ZeRO configurations only, PyTorch and Lightning the others.
+      if (system != "fsdp.cpp" && (system == "deepspeed") != zero) continue;
       std::fprintf(stderr, "[bench peers] %s %s, %d rank(s) ...\n", system.c_str(),
                    c.label.c_str(), run.devices);
       runs.push_back(finish(run_one(o, c, system), o));

@@ -7,6 +7,7 @@
 // strategy, within 1e-6 relative elsewhere). Runs pass data through files in a scratch directory.
 #include "fsdp/checkpoint.h"
 #include "fsdp/deepspeed.h"
+#include "fsdp/memory.h"
 #include "fully_shard_common.h"
 #include "testing.h"
 
@@ -377,9 +378,24 @@ TEST(Checkpoint, DeepSpeedStagesResumeAcrossStagesWorldsAndStrategies) {
   check_resume(dirf, 3, "gloo", "deepspeed_stage_2", 1e-6);
   check_resume(dirf, 4, "gloo", "deepspeed_stage_3", 1e-6);
 
-  // fsdp-ckpt convert's library call: one safetensors file equal to the weights.
+  // fsdp-ckpt convert's library call: one safetensors file equal to the weights, streamed
+  // through one buffer: the tracked peak is at most the largest tensor, not the model.
   if (!fsdp::testing::in_child_rank()) {
+    int64_t largest = 0, model = 0;
+    for (const auto& t : fsdp::inspect_checkpoint(dir + "/ckpt").tensors) {
+      if (t.name.rfind("optim.", 0) == 0) continue;
+      int64_t n = t.dtype == "F32" ? 4 : 2;
+      for (int64_t d : t.shape) n *= d;
+      largest = std::max(largest, n);
+      model += n;
+    }
+    ASSERT_GT(model, 4 * largest) << "the bound would not tell largest tensor from model";
+    fsdp::install_tracking_allocator();
+    const int64_t before = fsdp::memory_stats().current_bytes;
+    fsdp::reset_peak_memory_stats();
     fsdp::convert_to_safetensors(dir + "/ckpt", dir + "/model.safetensors");
+    EXPECT_LE(fsdp::memory_stats().peak_bytes - before, largest);
+    EXPECT_GT(fsdp::memory_stats().peak_bytes - before, 0) << "nothing tracked: test is blind";
     TinyLM a, b;
     a.configure_model();
     b.configure_model();

@@ -198,7 +198,8 @@ def report(args, system, clock, rss_mb, params, extra=None):
     return out
 
 
-STRATEGIES = ("single", "ddp", "fsdp-full-shard", "fsdp-shard-grad-op")
+STRATEGIES = ("single", "ddp", "fsdp-full-shard", "fsdp-shard-grad-op", "deepspeed-stage-1",
+              "deepspeed-stage-2", "deepspeed-stage-3")  # the last three: deepspeed_peer.py
 PRECISIONS = ("32-true", "bf16-mixed")
 
 

@@ -29,8 +29,12 @@
 #include <torch/nn/module.h>
 
 #include <functional>
+#include <memory>
+#include <optional>
 
 namespace fsdp {
+
+class ProcessGroup;
 
 using CheckpointPredicate = std::function<bool(const fsdp::nn::Module&)>;
 
@@ -52,5 +56,27 @@ int count_activation_checkpointed(torch::nn::Module& root);
 // True on this thread while a checkpointed block re-runs its forward during backward (hooks
 // use it: FSDP does not reshard a unit after a recomputed forward, since its backward follows).
 bool in_activation_recompute();
+
+// --- Activation partitioning (DeepSpeed's partition_activations and cpu_checkpointing) -------
+//
+//   fsdp::configure_activation_partitioning(fsdp::ActivationPartitioning{tp_group});
+//
+// While configured, a checkpointed block keeps, of each floating input it saves for its
+// recompute (with at least `group` size elements), only this rank's 1/W slice (flattened; the
+// last slices padded) and all-gathers the whole input over `group` when backward recomputes the
+// block. The other inputs are saved as usual. The ranks of `group` must hold identical inputs to
+// the checkpointed blocks and run the same blocks in the same order: that is DeepSpeed's
+// model-parallel group. Data-parallel ranks see different batches and must not form one; with
+// no group (or a group of one rank) every rank keeps its inputs whole, which is what DeepSpeed
+// does when no model-parallel unit is given (Lightning passes none). cpu_checkpointing keeps the
+// saved slices in host memory (on a CPU device that is where they are: nothing is copied).
+// Process-wide, like deepspeed.checkpointing.configure; std::nullopt turns it off. See Note
+// [Activation partitioning] in src/nn/activation_partitioning.cpp.
+struct ActivationPartitioning {
+  std::shared_ptr<ProcessGroup> group;  // null: one rank, inputs stay whole
+  bool cpu_checkpointing = false;
+};
+void configure_activation_partitioning(std::optional<ActivationPartitioning> config);
+std::optional<ActivationPartitioning> activation_partitioning();
 
 }  // namespace fsdp

@@ -35,6 +35,8 @@
 
 namespace fsdp {
 
+class FSDPStrategy;
+
 // Lightning's DeepSpeedStrategy arguments, same names and defaults (facts: Lightning's
 // strategies/deepspeed.py). Bucket sizes count elements, as in DeepSpeed.
 struct DeepSpeedOptions {
@@ -57,14 +59,27 @@ struct DeepSpeedOptions {
   double allgather_bucket_size = 2e8;  // elements per all-gather bucket
   double reduce_bucket_size = 2e8;     // elements per reduce-scatter bucket
   bool zero_allow_untested_optimizer = true;
-  // DeepSpeed's activation checkpointing (partition_activations, cpu_checkpointing) is not
-  // implemented yet: true is an error.
+  // DeepSpeed's activation checkpointing options, for the blocks the model checkpoints
+  // (fsdp::apply_activation_checkpointing, fsdp-train --activation-checkpointing):
+  // partition_activations splits their saved inputs over the model-parallel group given to
+  // fsdp::configure_activation_partitioning (fsdp/activation_checkpointing.h); without one, as
+  // under Lightning, each rank keeps them whole (data-parallel ranks hold different
+  // activations). cpu_checkpointing keeps them in host memory: on a CPU device they are there
+  // already. Setup says which applies, in one line each.
   bool partition_activations = false;
   bool cpu_checkpointing = false;
   // ZeRO-3 knob from DeepSpeed's zero_optimization (default as DeepSpeed's): parameters with at
   // most this many elements are never sharded (kept whole, gradients reduce-scattered, optimizer
   // state partitioned, updated values all-gathered).
   int64_t stage3_param_persistence_threshold = 100000;
+  // ZeRO-3 knobs (DeepSpeed's defaults), in elements: the forward/backward prefetch gathers the
+  // next units as long as they fit in stage3_prefetch_bucket_size (0: no prefetch), and the
+  // gathered parameters (running, unsharded and in flight) stay within
+  // stage3_max_live_parameters, except for what the running units themselves need. See Note
+  // [Prefetch window] in src/shard/fsdp_state.cpp. (stage3_max_reuse_distance is not
+  // implemented: parameters are released after each use.)
+  int64_t stage3_prefetch_bucket_size = 50000000;
+  int64_t stage3_max_live_parameters = 1000000000;
   // A DeepSpeed JSON config: a path to a file, or the JSON object itself (text starting with
   // '{'). When set it replaces every default above, as in Lightning; unset, the environment
   // variable PL_DEEPSPEED_CONFIG_PATH names a file. See parse_deepspeed_config.
@@ -105,7 +120,7 @@ DeepSpeedOptions parse_deepspeed_config(const std::string& path_or_json,
 class DeepSpeedStrategy : public Strategy {
  public:
   // Applies `config` (or PL_DEEPSPEED_CONFIG_PATH) and checks the options: an unsupported
-  // combination (nvme, stage 0, activation partitioning) is an error saying what is missing.
+  // combination (nvme, stage 0) is an error saying what is missing.
   explicit DeepSpeedStrategy(DeepSpeedOptions options = {});
   ~DeepSpeedStrategy() override;
 
@@ -144,8 +159,12 @@ class DeepSpeedStrategy : public Strategy {
   // number of gradient buckets of the partitioner (0 when there is none).
   int64_t persistent_numel() const;
   int64_t num_grad_buckets() const;
+  // Stage 3's FSDP engine (null for stages 1 and 2), for tests and tools.
+  FSDPStrategy* stage3_engine() const;
 
  private:
+  void setup_activation_partitioning(LightningModule& module);
+
   struct Impl;
   DeepSpeedOptions options_;
   DeepSpeedTrainingConfig training_;

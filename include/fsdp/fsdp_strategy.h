@@ -118,6 +118,18 @@ struct FSDPOptions {
   // parameter_counts, local_shards and gather_full_params do not list them.
   std::vector<at::Tensor> ignored_params;
 
+  // ZeRO-3's prefetch and live-parameter bounds, in parameter elements (DeepSpeedStrategy sets
+  // them from stage3_prefetch_bucket_size / stage3_max_live_parameters); 0 = off.
+  //   prefetch_bucket_numel  > 0: forward/backward prefetch gathers as many units ahead as fit
+  //                          in this many elements (instead of one unit ahead); a unit larger
+  //                          than it is gathered on demand.
+  //   max_live_numel         > 0: prefetches never take the unsharded and in-flight units above
+  //                          this many elements, and a unit gathered on demand drops
+  //                          prefetched all-gathers to fit (they are gathered again later).
+  // See Note [Prefetch window] in src/shard/fsdp_state.cpp.
+  int64_t prefetch_bucket_numel = 0;
+  int64_t max_live_numel = 0;
+
   // --- owned by later issues: present so configurations can name them, but any non-default
   // value is refused with "not supported yet" until the feature works.
   bool cpu_offload = false;

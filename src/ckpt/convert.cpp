@@ -41,7 +41,10 @@ void stream_rows(const ckpt::Source& src, const std::string& key, int64_t b, int
     const int64_t lo = std::max(p.begin, b), hi = std::min(p.end, e);
     if (lo >= hi) continue;
     const int64_t n = (hi - lo) * rb;
-    if (!buf.defined() || buf.numel() < n) buf = at::empty({n}, at::kByte);
+    if (!buf.defined() || buf.numel() < n) {
+      buf = at::Tensor();  // the smaller buffer goes first: never two alive
+      buf = at::empty({n}, at::kByte);
+    }
     if (lo == p.begin && hi == p.end) {
       src.read_piece(key, p, buf.data_ptr(), static_cast<size_t>(n));
     } else {

@@ -1,5 +1,7 @@
 #include "fsdp/activation_checkpointing.h"
 
+#include "nn/activation_partitioning.h"
+
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/Generator.h>
@@ -9,6 +11,7 @@
 
 #include <memory>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -85,6 +88,11 @@ struct ModuleRef : torch::CustomClassHolder {
   fsdp::nn::Module* module = nullptr;
 };
 
+// The group a block's saved inputs are partitioned over (Note [Activation partitioning]).
+struct GroupRef : torch::CustomClassHolder {
+  std::shared_ptr<ProcessGroup> group;
+};
+
 // Note [Checkpoint function]
 // --------------------------
 // forward   runs module.forward(inputs) with grad disabled (Function::apply does that), so no
@@ -113,12 +121,41 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
                             std::vector<int64_t> slots, int64_t n, c10::IValue module_ref) {
     auto* m = static_cast<ModuleRef*>(module_ref.toCapsule().get())->module;
     fsdp::nn::Inputs inputs(static_cast<size_t>(n));
-    std::vector<at::Tensor> to_save;
+    // Activation partitioning: per saved input, whether it is kept as a slice (with its sizes
+    // and requires_grad) or saved whole. See Note [Activation partitioning].
+    const auto partitioning = activation_partitioning();
+    std::shared_ptr<ProcessGroup> group = partitioning ? partitioning->group : nullptr;
+    const int world = group ? group->size() : 1;
+    std::vector<at::Tensor> to_save, parts;
+    std::vector<int64_t> partitioned, part_dims, part_sizes, part_grad;
+    std::string part_device;
     for (size_t k = 0; k < tensors.size(); ++k) {
       if (slots[k] < 0) continue;  // the anchor
       inputs[static_cast<size_t>(slots[k])] = tensors[k];
-      to_save.push_back(tensors[k]);
+      if (detail::partitions(tensors[k], world)) {
+        partitioned.push_back(1);
+        parts.push_back(
+            detail::partition_activation(tensors[k], *group, partitioning->cpu_checkpointing));
+        part_dims.push_back(tensors[k].dim());
+        for (int64_t d : tensors[k].sizes()) part_sizes.push_back(d);
+        part_grad.push_back(tensors[k].requires_grad());
+        part_device = tensors[k].device().str();  // blocks compute on one device
+      } else {
+        partitioned.push_back(0);
+        to_save.push_back(tensors[k]);
+      }
     }
+    if (!parts.empty()) {
+      auto ref = c10::make_intrusive<GroupRef>();
+      ref->group = group;
+      ctx->saved_data["group"] = c10::IValue::make_capsule(std::move(ref));
+      ctx->saved_data["parts"] = parts;
+      ctx->saved_data["part_dims"] = part_dims;
+      ctx->saved_data["part_sizes"] = part_sizes;
+      ctx->saved_data["part_grad"] = part_grad;
+      ctx->saved_data["part_device"] = part_device;
+    }
+    ctx->saved_data["partitioned"] = partitioned;
     ctx->saved_data["module"] = std::move(module_ref);
     ctx->saved_data["rng_state"] = get_cpu_rng_state();
     ctx->saved_data["autocast"] = at::autocast::is_autocast_enabled(at::kCPU);
@@ -142,17 +179,43 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     const int64_t n = ctx->saved_data["n"].toInt();
     const auto saved = ctx->get_saved_variables();
 
+    const std::vector<int64_t> partitioned = ctx->saved_data["partitioned"].toIntVector();
+    std::vector<at::Tensor> parts;
+    std::vector<int64_t> part_dims, part_sizes, part_grad;
+    std::shared_ptr<ProcessGroup> group;
+    c10::Device part_device(c10::kCPU);
+    if (ctx->saved_data.count("parts")) {
+      parts = ctx->saved_data["parts"].toTensorVector();
+      part_dims = ctx->saved_data["part_dims"].toIntVector();
+      part_sizes = ctx->saved_data["part_sizes"].toIntVector();
+      part_grad = ctx->saved_data["part_grad"].toIntVector();
+      part_device = c10::Device(ctx->saved_data["part_device"].toStringRef());
+      group = static_cast<GroupRef*>(ctx->saved_data["group"].toCapsule().get())->group;
+    }
+
     fsdp::nn::Inputs detached(static_cast<size_t>(n));
     std::vector<at::Tensor> leaves;  // per entry of `tensors` (undefined for the anchor)
-    size_t next_saved = 0;
+    size_t next_saved = 0, next_part = 0, next_dim = 0, input = 0;
     for (int64_t slot : slots) {
       if (slot < 0) {
         leaves.emplace_back();
         continue;
       }
-      const at::Tensor& original = saved.at(next_saved++);
-      at::Tensor d = original.detach();
-      if (original.requires_grad()) d.requires_grad_(true);
+      at::Tensor d;
+      if (partitioned.at(input++)) {
+        // See Note [Activation partitioning]: the whole input from every rank's slice.
+        const int64_t dims = part_dims.at(next_part);
+        std::vector<int64_t> sizes(part_sizes.begin() + static_cast<int64_t>(next_dim),
+                                   part_sizes.begin() + static_cast<int64_t>(next_dim) + dims);
+        next_dim += static_cast<size_t>(dims);
+        d = detail::gather_activation(parts.at(next_part), sizes, part_device, *group);
+        if (part_grad.at(next_part)) d.requires_grad_(true);
+        ++next_part;
+      } else {
+        const at::Tensor& original = saved.at(next_saved++);
+        d = original.detach();
+        if (original.requires_grad()) d.requires_grad_(true);
+      }
       detached[static_cast<size_t>(slot)] = d;
       leaves.push_back(d);
     }

@@ -92,6 +92,12 @@ int64_t FsdpParamGroup::unsharded_bytes() const {
   return total;
 }
 
+int64_t FsdpParamGroup::unsharded_numel() const {
+  int64_t total = 0;
+  for (const auto& p : params_) total += p->unsharded().numel();
+  return total;
+}
+
 void FsdpParamGroup::transition(ShardedState next) {
   const ShardedState cur = sharded_state_;
   const bool ok =

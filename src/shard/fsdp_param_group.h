@@ -106,6 +106,7 @@ class FsdpParamGroup {
   void finalize_backward(bool sync);
 
   int64_t unsharded_bytes() const;
+  int64_t unsharded_numel() const;  // elements of the full parameters
   // Where the parameters sit in the flat buffers (valid after init).
   const FlatLayout& layout() const { return layout_; }
   at::ScalarType compute_dtype() const { return compute_dtype_; }

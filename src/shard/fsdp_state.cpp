@@ -21,6 +21,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/engine.h>
 
+#include <cstdlib>
 #include <functional>
 
 namespace fsdp::detail {
@@ -215,17 +216,24 @@ void FsdpState::begin_step(bool sync) {
   }
   FsdpParamGroup& root = root_unit();
   if (!root.params().empty() && !root.is_unsharded()) root.unshard();
+  note_live();
   root.set_training_state(TrainingState::kForward);
 }
 
 void FsdpState::pre_forward(FsdpParamGroup& unit, std::vector<at::Tensor>& inputs) {
   RECORD_FUNCTION("FSDP::pre_forward", c10::ArrayRef<const c10::IValue>{});
   record_forward(unit);
+  make_room_for(unit);
   unit.pre_forward();
+  note_live();
   // A recomputed forward runs during backward: no forward prefetch then. See Note
   // [Checkpointed units] in fsdp_param_group.cpp.
   if (config_.forward_prefetch && !fsdp::in_activation_recompute()) {
-    prefetch_after_forward_of(unit);
+    if (config_.prefetch_bucket_numel > 0) {
+      prefetch_window(unit, /*forward=*/true);
+    } else {
+      prefetch_after_forward_of(unit);
+    }
   }
   // Mixed precision: floating inputs compute in the parameters' dtype. FSDP2 casts at the root
   // only; a unit may also receive fp32 from un-cast code (e.g. an fp32 buffer added to bf16
@@ -270,7 +278,9 @@ void FsdpState::post_forward(FsdpParamGroup& unit, at::Tensor& output) {
 void FsdpState::pre_backward(FsdpParamGroup& unit) {
   RECORD_FUNCTION("FSDP::pre_backward", c10::ArrayRef<const c10::IValue>{});
   on_backward_start();
+  make_room_for(unit);
   unit.pre_backward();
+  note_live();
   if (config_.backward_prefetch == BackwardPrefetch::kPre) prefetch_before_backward_of(unit);
 }
 
@@ -373,6 +383,11 @@ void FsdpState::record_forward(FsdpParamGroup& unit) {
 bool FsdpState::may_prefetch(FsdpParamGroup& candidate) {
   if (candidate.is_unsharded() || candidate.has_pending_all_gather()) return false;
   if (candidate.params().empty() || shard_group_->size() == 1) return false;
+  if (config_.max_live_numel > 0 &&
+      live_numel() + candidate.unsharded_numel() > config_.max_live_numel) {
+    ++num_prefetches_limited_;
+    return false;
+  }
   if (config_.limit_all_gathers) {
     int in_flight = 0;
     for (auto& unit : units_) {
@@ -398,9 +413,14 @@ void FsdpState::prefetch_after_forward_of(FsdpParamGroup& unit) {
   if (!may_prefetch(candidate)) return;
   candidate.issue_all_gather();
   ++num_prefetches_;
+  note_live();
 }
 
 void FsdpState::prefetch_before_backward_of(FsdpParamGroup& unit) {
+  if (config_.prefetch_bucket_numel > 0) {
+    prefetch_window(unit, /*forward=*/false);
+    return;
+  }
   auto it = order_index_.find(&unit);
   if (it == order_index_.end() || it->second <= 0) return;
   FsdpParamGroup& candidate = *forward_order_[it->second - 1];
@@ -410,6 +430,90 @@ void FsdpState::prefetch_before_backward_of(FsdpParamGroup& unit) {
   if (!may_prefetch(candidate)) return;
   candidate.issue_all_gather();
   ++num_prefetches_;
+  note_live();
+}
+
+// Note [Prefetch window]
+// ----------------------
+// ZeRO-3's two knobs, in elements as in DeepSpeed (PartitionedParameterCoordinator):
+//   prefetch_bucket_numel (stage3_prefetch_bucket_size)  instead of one unit ahead, the units
+//       that follow in the recorded order (forward: the next ones; backward: the previous ones)
+//       are all-gathered ahead as long as the elements ahead, in flight or already unsharded,
+//       stay within the bucket. Unlike DeepSpeed, whose loop stops only after the bucket is
+//       exceeded, the bound is strict: a unit larger than the bucket is gathered on demand.
+//   max_live_numel (stage3_max_live_parameters)  a prefetch that would take the elements of all
+//       unsharded and in-flight units above it is not issued (DeepSpeed caps its prefetch at
+//       max_live - available the same way). A unit that must be gathered now (its forward or
+//       backward starts) first drops prefetched all-gathers, furthest in the order first, until
+//       it fits; they are gathered again when their unit runs. So the live elements never exceed
+//       max_live_numel, except by what the running units themselves need (the current unit,
+//       its ancestors, the root unit).
+// Units are released after their forward (FULL_SHARD) and after their backward, as DeepSpeed
+// releases a submodule's parameters (stage3_max_reuse_distance, which keeps parameters reused
+// soon, is not implemented). Every rank takes the same decisions in the same order, so the
+// collectives stay matched.
+int64_t FsdpState::live_numel() const {
+  int64_t n = 0;
+  for (const auto& unit : units_) {
+    if (unit->is_unsharded() || unit->has_pending_all_gather()) n += unit->unsharded_numel();
+  }
+  return n;
+}
+
+void FsdpState::prefetch_window(FsdpParamGroup& unit, bool forward) {
+  auto it = order_index_.find(&unit);
+  if (!order_frozen_ || it == order_index_.end()) return;
+  const int step = forward ? 1 : -1;
+  const int n = static_cast<int>(forward_order_.size());
+  int64_t ahead = 0;
+  for (int i = it->second + step; i >= 0 && i < n; i += step) {
+    FsdpParamGroup& c = *forward_order_[static_cast<size_t>(i)];
+    if (c.params().empty()) continue;
+    const int64_t numel = c.unsharded_numel();
+    if (c.is_unsharded() || c.has_pending_all_gather()) {
+      ahead += numel;  // in flight already: part of the window
+      if (ahead >= config_.prefetch_bucket_numel) return;
+      continue;
+    }
+    // Forward: a unit that has not run in this step; backward: one that ran forward and awaits
+    // its backward.
+    const bool eligible =
+        forward ? c.sharded_state() == ShardedState::kSharded
+                : c.sharded_state() == ShardedState::kReshardedAfterForward &&
+                      c.training_state() == TrainingState::kForward;
+    if (!eligible) continue;
+    if (ahead + numel > config_.prefetch_bucket_numel) return;
+    if (!may_prefetch(c)) return;
+    c.issue_all_gather();
+    ++num_prefetches_;
+    ahead += numel;
+    note_live();
+  }
+}
+
+void FsdpState::make_room_for(FsdpParamGroup& unit) {
+  if (config_.max_live_numel <= 0) return;
+  if (unit.is_unsharded() || unit.has_pending_all_gather()) return;
+  const int64_t need = unit.unsharded_numel();
+  if (live_numel() + need <= config_.max_live_numel) return;
+  auto pos = [&](const FsdpParamGroup* u) {
+    auto f = order_index_.find(u);
+    return f == order_index_.end() ? 0 : f->second;
+  };
+  const int here = pos(&unit);
+  std::vector<FsdpParamGroup*> prefetched;
+  for (auto& u : units_) {
+    if (u.get() != &unit && u->has_pending_all_gather()) prefetched.push_back(u.get());
+  }
+  std::stable_sort(prefetched.begin(), prefetched.end(),
+                   [&](const FsdpParamGroup* a, const FsdpParamGroup* b) {
+                     return std::abs(pos(a) - here) > std::abs(pos(b) - here);
+                   });
+  for (FsdpParamGroup* u : prefetched) {
+    if (live_numel() + need <= config_.max_live_numel) break;
+    u->drop_pending_all_gather();
+    ++num_prefetches_evicted_;
+  }
 }
 
 }  // namespace fsdp::detail

@@ -8,6 +8,7 @@
 #include "fsdp/fsdp_strategy.h"
 #include "shard/fsdp_param_group.h"
 
+#include <algorithm>
 #include <map>
 #include <memory>
 #include <optional>
@@ -29,6 +30,10 @@ struct FsdpConfig {
   std::optional<MixedPrecisionPolicy> mixed_precision;
   // FSDPOptions::ignored_params: never assigned to a unit.
   std::set<const c10::TensorImpl*> ignored;
+  // FSDPOptions::prefetch_bucket_numel / max_live_numel (ZeRO-3's stage3_prefetch_bucket_size
+  // and stage3_max_live_parameters); 0 = off. See Note [Prefetch window] in fsdp_state.cpp.
+  int64_t prefetch_bucket_numel = 0;
+  int64_t max_live_numel = 0;
 };
 
 // A unit to build: the module (null for the root) and its FQN.
@@ -75,6 +80,13 @@ class FsdpState {
   const std::vector<FsdpParamGroup*>& forward_order() const { return forward_order_; }
   int64_t num_prefetches() const { return num_prefetches_; }
   int64_t num_prefetches_limited() const { return num_prefetches_limited_; }
+  // Elements of the units that hold unsharded parameters or a pending all-gather (the root
+  // unit included), now and at their highest since construction or reset_peak_live; and how
+  // many prefetched all-gathers were dropped to keep max_live_numel.
+  int64_t live_numel() const;
+  int64_t peak_live_numel() const { return peak_live_numel_; }
+  void reset_peak_live() { peak_live_numel_ = live_numel(); }
+  int64_t num_prefetches_evicted() const { return num_prefetches_evicted_; }
 
   // --- deferred initialization (src/shard/deferred_init.cpp). See Note [Deferred
   // initialization] there. Before build(): shards `module`'s parameters at once as a unit
@@ -99,6 +111,10 @@ class FsdpState {
   bool may_prefetch(FsdpParamGroup& candidate);
   void prefetch_after_forward_of(FsdpParamGroup& unit);
   void prefetch_before_backward_of(FsdpParamGroup& unit);
+  // See Note [Prefetch window] in fsdp_state.cpp.
+  void prefetch_window(FsdpParamGroup& unit, bool forward);
+  void make_room_for(FsdpParamGroup& unit);
+  void note_live() { peak_live_numel_ = std::max(peak_live_numel_, live_numel()); }
 
   FsdpConfig config_;
   ProcessGroupPtr shard_group_;
@@ -124,6 +140,8 @@ class FsdpState {
   std::unordered_map<const FsdpParamGroup*, int> order_index_;  // position in forward_order_
   int64_t num_prefetches_ = 0;
   int64_t num_prefetches_limited_ = 0;
+  int64_t num_prefetches_evicted_ = 0;
+  int64_t peak_live_numel_ = 0;
 
   // Deferred units in build order, their (module, name) registrations, and the groups that
   // build() adopted from them (already sharded: materialize() does not init them again).

@@ -133,6 +133,8 @@ FsdpConfig make_fsdp_config(const FSDPOptions& options) {
   config.limit_all_gathers = options.limit_all_gathers;
   config.mixed_precision = options.mixed_precision;
   for (const auto& t : options.ignored_params) config.ignored.insert(t.unsafeGetTensorImpl());
+  config.prefetch_bucket_numel = options.prefetch_bucket_numel;
+  config.max_live_numel = options.max_live_numel;
   return config;
 }
 
@@ -165,6 +167,9 @@ void check_options(const FSDPOptions& o) {
     check("reduce_dtype", o.mixed_precision->reduce_dtype);
     check("buffer_dtype", o.mixed_precision->buffer_dtype);
   }
+  TORCH_CHECK(o.prefetch_bucket_numel >= 0 && o.max_live_numel >= 0,
+              "[FSDPStrategy] prefetch_bucket_numel and max_live_numel must be >= 0 elements "
+              "(0 = off), got ", o.prefetch_bucket_numel, " and ", o.max_live_numel);
   TORCH_CHECK(!o.cpu_offload, "[FSDPStrategy] cpu_offload=true is not supported yet");
   TORCH_CHECK(o.ignored_params.empty() || !o.deferred_init,
               "[FSDPStrategy] ignored_params needs deferred_init = false: deferred "

@@ -4,6 +4,9 @@
 // persistent parameters the engine ignores. See docs/design.md "ZeRO stages".
 #include "fsdp/deepspeed.h"
 
+#include "fsdp/activation_checkpointing.h"
+#include "fsdp/comm.h"
+
 #include "fsdp/fsdp_strategy.h"
 #include "fsdp/lightning.h"
 #include "fsdp/trainer.h"
@@ -52,14 +55,13 @@ void check_options(const DeepSpeedOptions& o) {
   TORCH_CHECK(!o.offload_parameters || o.stage == 3, "[deepspeed] offload_parameters needs "
               "stage 3 (DeepSpeed offloads parameters only when they are partitioned); got stage ",
               o.stage, ". HINT: use offload_optimizer for stages 1 and 2");
-  TORCH_CHECK(!o.partition_activations, "[deepspeed] partition_activations is not implemented "
-              "yet. HINT: use activation checkpointing (fsdp::apply_activation_checkpointing, or "
-              "fsdp-train --activation-checkpointing) without partitioning");
-  TORCH_CHECK(!o.cpu_checkpointing, "[deepspeed] cpu_checkpointing is not implemented yet (it "
-              "belongs to DeepSpeed's activation partitioning)");
   TORCH_CHECK(o.reduce_bucket_size >= 1 && o.allgather_bucket_size >= 1,
               "[deepspeed] reduce_bucket_size and allgather_bucket_size must be >= 1 element "
               "(got ", o.reduce_bucket_size, ", ", o.allgather_bucket_size, ")");
+  TORCH_CHECK(o.stage3_prefetch_bucket_size >= 0 && o.stage3_max_live_parameters >= 1,
+              "[deepspeed] stage3_prefetch_bucket_size must be >= 0 and "
+              "stage3_max_live_parameters >= 1 (elements), got ", o.stage3_prefetch_bucket_size,
+              " and ", o.stage3_max_live_parameters);
   TORCH_CHECK(o.stage3_param_persistence_threshold >= 0,
               "[deepspeed] stage3_param_persistence_threshold must be >= 0, got ",
               o.stage3_param_persistence_threshold);
@@ -78,6 +80,43 @@ std::vector<std::pair<std::string, at::Tensor>> unique_params(torch::nn::Module&
 }
 
 }  // namespace
+
+// DeepSpeed's activation checkpointing options (Note [Activation partitioning] in
+// src/nn/activation_partitioning.cpp). The group is the model-parallel one a user configured
+// with fsdp::configure_activation_partitioning; without one (fsdp.cpp has no tensor
+// parallelism, and Lightning gives DeepSpeed no model-parallel unit either) the data-parallel
+// ranks hold different activations, so each rank keeps its own whole, as DeepSpeed does then.
+void DeepSpeedStrategy::setup_activation_partitioning(LightningModule& module) {
+  auto current = activation_partitioning();
+  ActivationPartitioning config = current.value_or(ActivationPartitioning{});
+  config.cpu_checkpointing = config.cpu_checkpointing || options_.cpu_checkpointing;
+  if (options_.partition_activations || current) configure_activation_partitioning(config);
+  if (rank() != 0) return;
+  const int checkpointed = count_activation_checkpointed(module);
+  if (options_.partition_activations) {
+    const int w = config.group ? config.group->size() : 1;
+    if (w > 1) {
+      std::fprintf(stderr, "[deepspeed] partition_activations: the inputs saved by checkpointed "
+                   "blocks are split over the model-parallel group (%d ranks) and all-gathered "
+                   "for the recompute\n", w);
+    } else {
+      std::fprintf(stderr, "[deepspeed] partition_activations: no model-parallel group is "
+                   "configured (fsdp::configure_activation_partitioning), as under Lightning: "
+                   "data-parallel ranks hold different activations, so each rank keeps the "
+                   "inputs of its checkpointed blocks whole\n");
+    }
+    if (checkpointed == 0) {
+      std::fprintf(stderr, "[deepspeed] partition_activations: no block of the model is "
+                   "checkpointed, so there is nothing to partition. HINT: "
+                   "fsdp::apply_activation_checkpointing or fsdp-train "
+                   "--activation-checkpointing\n");
+    }
+  }
+  if (options_.cpu_checkpointing) {
+    std::fprintf(stderr, "[deepspeed] cpu_checkpointing: the compute device is the CPU, so the "
+                 "saved activations already live in host memory; nothing is moved\n");
+  }
+}
 
 DeepSpeedStrategy::DeepSpeedStrategy(DeepSpeedOptions options)
     : options_(std::move(options)), impl_(std::make_unique<Impl>()) {
@@ -122,6 +161,8 @@ void DeepSpeedStrategy::setup_module(LightningModule& module) {
     }
   }
 
+  if (options_.partition_activations || options_.cpu_checkpointing) setup_activation_partitioning(module);
+
   detail::ZeroPartitioner::Options zo;
   zo.reduce_bucket_numel = static_cast<int64_t>(options_.reduce_bucket_size);
   zo.allgather_bucket_numel = static_cast<int64_t>(options_.allgather_bucket_size);
@@ -153,8 +194,13 @@ void DeepSpeedStrategy::setup_module(LightningModule& module) {
   fo.sharding_strategy = ShardingStrategy::kFullShard;
   fo.deferred_init = false;
   fo.sync_module_states = true;
-  fo.forward_prefetch = true;
-  fo.backward_prefetch = BackwardPrefetch::kPre;
+  // ZeRO-3's prefetch window and live-parameter bound (Note [Prefetch window]); a bucket of 0
+  // turns prefetching off, as in DeepSpeed.
+  fo.forward_prefetch = options_.stage3_prefetch_bucket_size > 0;
+  fo.backward_prefetch = options_.stage3_prefetch_bucket_size > 0 ? BackwardPrefetch::kPre
+                                                                   : BackwardPrefetch::kNone;
+  fo.prefetch_bucket_numel = options_.stage3_prefetch_bucket_size;
+  fo.max_live_numel = options_.stage3_max_live_parameters;
   fo.auto_wrap_policy =
       AutoWrapPolicy::of_predicate([](const torch::nn::Module&, int64_t n) { return n > 0; });
   std::vector<std::pair<std::string, at::Tensor>> persistent_trainable;
@@ -360,5 +406,7 @@ int64_t DeepSpeedStrategy::persistent_numel() const {
 int64_t DeepSpeedStrategy::num_grad_buckets() const {
   return impl_->zero ? impl_->zero->num_grad_buckets() : 0;
 }
+
+FSDPStrategy* DeepSpeedStrategy::stage3_engine() const { return impl_->fsdp.get(); }
 
 }  // namespace fsdp

@@ -50,7 +50,8 @@ const std::vector<std::string> kTopKeys = {
 const std::vector<std::string> kZeroKeys = {
     "stage", "offload_optimizer", "offload_param", "contiguous_gradients", "overlap_comm",
     "allgather_partitions", "reduce_scatter", "allgather_bucket_size", "reduce_bucket_size",
-    "sub_group_size", "stage3_param_persistence_threshold"};
+    "sub_group_size", "stage3_param_persistence_threshold", "stage3_prefetch_bucket_size",
+    "stage3_max_live_parameters"};
 const std::vector<std::string> kOffloadOptimizerKeys = {"device", "pin_memory", "nvme_path",
                                                         "buffer_count"};
 const std::vector<std::string> kOffloadParamKeys = {"device",      "pin_memory", "nvme_path",
@@ -200,6 +201,8 @@ DeepSpeedOptions parse_deepspeed_config(const std::string& path_or_json,
     o.sub_group_size = r.number(*z, w, "sub_group_size", 1e9);
     o.stage3_param_persistence_threshold =
         r.integer(*z, w, "stage3_param_persistence_threshold", 100000);
+    o.stage3_prefetch_bucket_size = r.integer(*z, w, "stage3_prefetch_bucket_size", 50000000);
+    o.stage3_max_live_parameters = r.integer(*z, w, "stage3_max_live_parameters", 1000000000);
     read_offload_device(r, *z, "offload_optimizer", kOffloadOptimizerKeys, &o.offload_optimizer,
                         &o.offload_optimizer_device, &o.nvme_path, &o.pin_memory);
     read_offload_device(r, *z, "offload_param", kOffloadParamKeys, &o.offload_parameters,
