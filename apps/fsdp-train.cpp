@@ -25,6 +25,82 @@
 
 namespace {
 
+// The DDP flags: DDPOptions and its communication hooks (include/fsdp/ddp.h, comm_hooks.h).
+struct DdpArgs {
+  double bucket_cap_mb = 25;
+  bool find_unused_parameters = false;
+  bool static_graph = false;
+  bool gradient_as_bucket_view = false;
+  std::string comm_hook = "none";
+  std::string comm_wrapper = "none";
+  fsdp::PowerSGDOptions powersgd;
+  bool no_error_feedback = false;
+  bool no_warm_start = false;
+  fsdp::PostLocalSGDOptions post_local_sgd;
+  bool no_post_local_gradient_allreduce = false;
+  int64_t model_averaging_period = 0;
+  std::vector<CLI::Option*> options;  // every DDP flag: given with another strategy = error
+};
+
+fsdp::DDPOptions ddp_options(const DdpArgs& a) {
+  fsdp::DDPOptions o;
+  o.bucket_cap_mb = a.bucket_cap_mb;
+  o.find_unused_parameters = a.find_unused_parameters;
+  o.static_graph = a.static_graph;
+  o.gradient_as_bucket_view = a.gradient_as_bucket_view;
+  fsdp::PowerSGDOptions ps = a.powersgd;
+  ps.use_error_feedback = !a.no_error_feedback;
+  ps.warm_start = !a.no_warm_start;
+  fsdp::PostLocalSGDOptions pl = a.post_local_sgd;
+  pl.post_local_gradient_allreduce = !a.no_post_local_gradient_allreduce;
+  TORCH_CHECK(a.comm_hook != "post_local_sgd" || pl.start_local_sgd_iter >= 0,
+              "[fsdp-train] --ddp-comm-hook post_local_sgd needs --start-local-sgd-iter N "
+              "(global all-reduce for the first N steps; PyTorch has no default) and "
+              "--model-averaging-period P");
+  fsdp::set_comm_hook(o, a.comm_hook, a.comm_wrapper, ps, pl);
+  o.model_averaging_period = a.model_averaging_period;
+  return o;
+}
+
+// Bytes this rank sent through its process groups in each optimizer step, as counted by
+// fsdp::ProcessGroup (every collective: DDP's gradient buckets, the model averager, the
+// Trainer's loss all-reduce; post-local SGD's subgroup included). For --summary-json.
+class CommBytesRecorder : public fsdp::Callback {
+ public:
+  void on_fit_start(fsdp::Trainer& t, fsdp::LightningModule&) override {
+    last_ = now(t);
+    last_step_ = t.global_step();
+  }
+  void on_train_batch_end(fsdp::Trainer& t, fsdp::LightningModule&, int64_t) override {
+    if (t.global_step() == last_step_) return;  // inside an accumulation window
+    const int64_t n = now(t);
+    per_step_.push_back(n - last_);
+    last_ = n;
+    last_step_ = t.global_step();
+  }
+  const std::vector<int64_t>& per_step() const { return per_step_; }
+
+ private:
+  static int64_t total(const fsdp::CommCounters& c) {
+    return c.all_gather_bytes + c.reduce_scatter_bytes + c.all_reduce_bytes + c.broadcast_bytes +
+           c.all_to_all_bytes;
+  }
+  static int64_t now(fsdp::Trainer& t) {
+    const auto& world = t.strategy()->world();
+    if (!world) return 0;
+    int64_t n = total(world->counters());
+    if (auto* ddp = dynamic_cast<fsdp::DDPStrategy*>(t.strategy().get())) {
+      if (auto* pl = dynamic_cast<fsdp::PostLocalSGDState*>(ddp->comm_state().get())) {
+        if (pl->subgroup() && pl->subgroup() != world) n += total(pl->subgroup()->counters());
+      }
+    }
+    return n;
+  }
+  int64_t last_ = 0;
+  int64_t last_step_ = 0;
+  std::vector<int64_t> per_step_;
+};
+
 struct Args {
   // Trainer
   std::string accelerator = "cpu";
@@ -67,6 +143,8 @@ struct Args {
   bool forward_prefetch = false;
   int hybrid_shard_size = 0;
   bool activation_checkpointing = false;  // any strategy: the model's layer types
+  // DDP (--strategy ddp, or auto with more than one rank): include/fsdp/ddp.h, comm_hooks.h
+  DdpArgs ddp;
   // Output
   std::string summary_json;
   bool dry_run = false;  // print the parameter count and memory per strategy; allocate nothing
@@ -388,6 +466,15 @@ int run(const Args& a, const ModelSpec& spec_in) {
     o.hybrid_shard_size = a.hybrid_shard_size;
     t.strategy = fsdp::make_fsdp_strategy(a.strategy, o);
   }
+  const int world = a.devices * a.num_nodes;
+  const bool ddp = a.strategy == "ddp" || (a.strategy == "auto" && world > 1);
+  for (auto* o : a.ddp.options) {
+    TORCH_CHECK(o->count() == 0 || ddp, "[fsdp-train] ", o->get_name(), " applies to --strategy "
+                "ddp (got --strategy ", a.strategy, " with ", world, " rank(s))");
+  }
+  if (ddp) t.strategy = std::make_shared<fsdp::DDPStrategy>(ddp_options(a.ddp));
+  auto comm_bytes = std::make_shared<CommBytesRecorder>();
+  t.callbacks.push_back(comm_bytes);
   t.precision = a.precision;
   t.max_epochs = a.max_epochs;
   t.max_steps = a.max_steps;
@@ -485,6 +572,9 @@ int run(const Args& a, const ModelSpec& spec_in) {
     j["setup_peak_alloc_mb"] = setup_alloc;
     j["setup_peak_rss_mb"] = setup_rss;
     j["losses"] = r.losses;
+    j["comm_bytes_per_step"] = comm_bytes->per_step();
+    j["comm_bytes_note"] = "bytes rank 0 passed to collectives in each optimizer step, counted by "
+                           "the process group (gradients, model averaging, the loss all-reduce)";
     j["final_loss"] = r.losses.empty() ? nlohmann::json(nullptr) : nlohmann::json(r.losses.back());
     j["metrics"] = r.metrics;
     j["log_dir"] = r.log_dir;
@@ -538,6 +628,58 @@ int main(int argc, char** argv) {
                "recompute each layer's activations in backward (any strategy): less activation "
                "memory, about 1/3 more compute");
   app.add_option("--hybrid-shard-size", a.hybrid_shard_size, "fsdp hybrid: ranks per shard group (0: one node)");
+  // DDP
+  auto& d = a.ddp;
+  d.options = {
+      app.add_option("--bucket-cap-mb", d.bucket_cap_mb, "ddp: gradient bucket size in MB")
+          ->check(CLI::PositiveNumber),
+      app.add_flag("--find-unused-parameters", d.find_unused_parameters,
+                   "ddp: allow trainable parameters without a gradient"),
+      app.add_flag("--static-graph", d.static_graph,
+                   "ddp: the same parameters every step; buckets rebuilt in gradient order"),
+      app.add_flag("--gradient-as-bucket-view", d.gradient_as_bucket_view,
+                   "ddp: .grad are views into the buckets (one gradient copy less)"),
+      app.add_option("--ddp-comm-hook", d.comm_hook,
+                     "ddp: how gradient buckets are communicated: none (all-reduce) | "
+                     "allreduce | fp16_compress | bf16_compress | powersgd | batched_powersgd | "
+                     "post_local_sgd")
+          ->check(CLI::IsMember([] {
+            auto v = fsdp::comm_hook_names();
+            v.insert(v.begin(), "none");
+            return v;
+          }())),
+      app.add_option("--ddp-comm-wrapper", d.comm_wrapper,
+                     "ddp: cast what the hook sends: none | fp16 | bf16")
+          ->check(CLI::IsMember({"none", "fp16", "bf16"})),
+      app.add_option("--powersgd-rank", d.powersgd.matrix_approximation_rank,
+                     "powersgd: matrix_approximation_rank")
+          ->check(CLI::PositiveNumber),
+      app.add_option("--start-powersgd-iter", d.powersgd.start_powersgd_iter,
+                     "powersgd: plain all-reduce for this many steps first (> 1 with error "
+                     "feedback or warm start)"),
+      app.add_option("--min-compression-rate", d.powersgd.min_compression_rate,
+                     "powersgd: compress a matrix only when it shrinks by more than this")
+          ->check(CLI::NonNegativeNumber),
+      app.add_flag("--no-error-feedback", d.no_error_feedback, "powersgd: use_error_feedback off"),
+      app.add_flag("--no-warm-start", d.no_warm_start, "powersgd: a new random Q every step"),
+      app.add_option("--orthogonalization-epsilon", d.powersgd.orthogonalization_epsilon,
+                     "powersgd: added to column norms (e.g. 1e-8 if a gradient can be all zero)")
+          ->check(CLI::NonNegativeNumber),
+      app.add_option("--powersgd-seed", d.powersgd.random_seed, "powersgd: random_seed of Q"),
+      app.add_flag("--batch-tensors-with-same-shape", d.powersgd.batch_tensors_with_same_shape,
+                   "powersgd: compress same-shaped matrices in one batched matmul"),
+      app.add_option("--start-local-sgd-iter", d.post_local_sgd.start_local_sgd_iter,
+                     "post_local_sgd: global all-reduce for this many steps, then local")
+          ->check(CLI::NonNegativeNumber),
+      app.add_option("--post-local-sgd-subgroup-size", d.post_local_sgd.subgroup_size,
+                     "post_local_sgd: ranks that still average gradients together (0: one node)")
+          ->check(CLI::NonNegativeNumber),
+      app.add_flag("--no-post-local-gradient-allreduce", d.no_post_local_gradient_allreduce,
+                   "post_local_sgd: no gradient communication at all after the start"),
+      app.add_option("--model-averaging-period", d.model_averaging_period,
+                     "post_local_sgd: average the parameters every N steps (after the start)")
+          ->check(CLI::NonNegativeNumber),
+  };
   app.add_option("--precision", a.precision,
                  "32-true (fp32); bf16-mixed (FSDP: fp32 master shards, bf16 all-gather/compute/"
                  "reduce-scatter; other strategies: CPU autocast); bf16-true (bf16 everything); "

@@ -7,6 +7,7 @@
 #include "fsdp/ddp.h"
 #include "fsdp/memory.h"
 #include "fsdp/models.h"
+#include "ddp_test_util.h"
 #include "testing.h"
 
 #include <torch/torch.h>
@@ -20,17 +21,9 @@ namespace {
 using fsdp::ProcessGroup;
 using fsdp::ProcessGroupPtr;
 
-// The strategy keeps a shared_ptr to its group; run_ranks owns the world group.
-ProcessGroupPtr borrow(ProcessGroup& pg) { return ProcessGroupPtr(&pg, [](ProcessGroup*) {}); }
-
-std::shared_ptr<fsdp::DDPStrategy> make_ddp(ProcessGroup& pg, fsdp::DDPOptions options = {}) {
-  auto ddp = std::make_shared<fsdp::DDPStrategy>(options);
-  fsdp::LaunchInfo info;
-  info.rank = pg.rank();
-  info.world_size = pg.size();
-  ddp->connect(borrow(pg), info);
-  return ddp;
-}
+using fsdp::testing::flat_params;
+using fsdp::testing::make_ddp;
+using fsdp::testing::max_diff_from_rank0;
 
 // Three 8x8 layers. `reversed` applies them in the reverse of registration order (l3 first),
 // so gradients become ready in registration order: the opposite of DDP's default bucket guess.
@@ -55,21 +48,6 @@ struct Chain : torch::nn::Module {
 };
 
 at::Tensor chain_loss(Chain& m, const at::Tensor& x) { return m.forward(x).pow(2).mean(); }
-
-// All parameters flattened into one vector (registration order).
-at::Tensor flat_params(torch::nn::Module& m) {
-  std::vector<at::Tensor> parts;
-  for (const auto& p : m.parameters()) parts.push_back(p.detach().reshape(-1));
-  return at::cat(parts);
-}
-
-// Max |a_r - a_0| over ranks r, computed on every rank.
-double max_diff_from_rank0(ProcessGroup& pg, const at::Tensor& local) {
-  at::Tensor all = at::empty({pg.size() * local.numel()}, local.options());
-  pg.all_gather_into_tensor(all, local.contiguous());
-  all = all.view({pg.size(), local.numel()});
-  return (all - all[0]).abs().max().item<double>();
-}
 
 // ---------------------------------------------------------------------------------------------
 

@@ -415,6 +415,7 @@ void save_checkpoint(const std::string& dir, Strategy& strategy, torch::nn::Modu
                 progress.global_step);
     if (rank == 0) meta["tensors"] = sharded_tensor_table(L);
   }
+  strategy.save_extra_state(partial.string());  // e.g. DDP's comm hook state, per rank
   strategy.barrier();
 
   if (rank == 0) {
@@ -529,6 +530,7 @@ TrainingProgress load_checkpoint(const std::string& dir, Strategy& strategy,
     auto& groups = optimizer->param_groups();
     for (size_t i = 0; i < groups.size(); ++i) groups[i].options().set_lr(info.lrs[i]);
   }
+  strategy.load_extra_state(dir);
   // See Note [Per-rank RNG state].
   const int rank = strategy.rank();
   try {

@@ -9,6 +9,13 @@
 
 namespace fsdp::detail {
 
+namespace {
+std::string c10_what(const std::exception& e) {
+  if (auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
+  return e.what();
+}
+}  // namespace
+
 // Note [DDP bucket launch order]
 // Every rank must issue the same collectives in the same order, but autograd may finish the
 // buckets in a different order on different ranks (or in a different order than they were
@@ -76,9 +83,13 @@ class Reducer::Hook : public torch::autograd::FunctionPostHook {
 };
 
 Reducer::Reducer(ProcessGroupPtr group, std::vector<NamedTensor> params,
-                 const DDPOptions& options)
-    : group_(std::move(group)), options_(options) {
+                 const DDPOptions& options, CommHook hook, std::shared_ptr<CommHookState> state)
+    : group_(std::move(group)),
+      options_(options),
+      hook_(std::move(hook)),
+      hook_state_(std::move(state)) {
   TORCH_INTERNAL_ASSERT(group_, "Reducer needs a process group");
+  TORCH_INTERNAL_ASSERT(hook_ && hook_state_, "Reducer needs a comm hook and its state");
   TORCH_CHECK(options_.bucket_cap_mb > 0, "[ddp] bucket_cap_mb must be > 0, got ",
               options_.bucket_cap_mb);
   params_.reserve(params.size());
@@ -175,7 +186,7 @@ void Reducer::arm(bool sync) {
   for (auto& b : buckets_) {
     b.pending = static_cast<int>(b.params.size());
     b.launched = false;
-    b.work.reset();
+    b.future = CommFuture();
   }
   for (auto& p : params_) p.ready = false;
   next_to_launch_ = 0;
@@ -304,7 +315,28 @@ void Reducer::launch(int index) {
       p.tensor.mutable_grad() = slot;
     }
   }
-  b.work = group_->all_reduce_async(b.buffer, ReduceOp::kAvg);
+  // The comm hook (allreduce_hook unless the user set one) starts the communication. See
+  // Note [Comm hook futures] in src/ddp/comm_future.cpp.
+  std::vector<at::Tensor> tensors;
+  std::vector<int64_t> offsets;
+  std::vector<std::string> names;
+  for (int idx : b.params) {
+    tensors.push_back(params_[idx].tensor);
+    offsets.push_back(params_[idx].offset);
+    names.push_back(params_[idx].name);
+  }
+  GradBucket bucket(index, static_cast<int>(buckets_.size()), b.buffer, std::move(tensors),
+                    std::move(offsets), std::move(names));
+  try {
+    b.future = hook_(*hook_state_, bucket);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "[ddp] rank ", group_->rank(), ": the comm hook failed on gradient bucket ",
+                index, " (", b.numel, " elements, first parameter '",
+                params_[b.params.front()].name, "'): ", c10_what(e));
+  }
+  TORCH_CHECK(b.future.valid(), "[ddp] the comm hook returned an invalid CommFuture for bucket ",
+              index, "; return the future of the reduced buffer (CommFuture::ready(buffer) if "
+              "nothing is communicated)");
   b.launched = true;
   launch_order_.push_back(index);
 }
@@ -357,12 +389,9 @@ void Reducer::finalize_backward() {
 
 void Reducer::wait_launched() noexcept {
   for (auto& b : buckets_) {
-    if (!b.work) continue;
-    try {
-      b.work->wait();
-    } catch (...) {
-    }
-    b.work.reset();
+    if (!b.future.valid()) continue;
+    b.future.drain();
+    b.future = CommFuture();
   }
   if (used_work_) {
     try {
@@ -390,16 +419,25 @@ void Reducer::finish_backward(bool sync) {
 
   for (size_t k = 0; k < buckets_.size(); ++k) {
     Bucket& b = buckets_[k];
-    TORCH_INTERNAL_ASSERT(b.launched && b.work);
+    TORCH_INTERNAL_ASSERT(b.launched && b.future.valid());
+    at::Tensor result;
     try {
-      b.work->wait();
+      result = b.future.wait();
     } catch (const std::exception& e) {
       state_ = ReducerState::kIdle;
       wait_launched();
-      TORCH_CHECK(false, "[ddp] rank ", group_->rank(), ": all-reduce of gradient bucket ", k,
-                  " (", b.numel, " elements) failed: ", e.what());
+      TORCH_CHECK(false, "[ddp] rank ", group_->rank(), ": reduction of gradient bucket ", k,
+                  " (", b.numel, " elements) failed: ", c10_what(e));
     }
-    b.work.reset();
+    b.future = CommFuture();
+    TORCH_CHECK(result.defined() && result.numel() == b.numel, "[ddp] the comm hook's future for "
+                "gradient bucket ", k, " holds ", result.defined() ? result.numel() : 0,
+                " elements, the bucket has ", b.numel, "; a hook's future must hold the "
+                "reduced flat buffer");
+    // A hook may reduce into another tensor (a compression wrapper's half-precision copy).
+    if (!(result.data_ptr() == b.buffer.data_ptr() && result.scalar_type() == b.dtype)) {
+      b.buffer.copy_(result.reshape({-1}));
+    }
   }
   const bool have_mask = static_cast<bool>(used_work_);
   if (have_mask) {
