@@ -45,6 +45,7 @@
 namespace {
 
 namespace fs = std::filesystem;
+using fsdp::bench::fixed;
 using nlohmann::json;
 
 struct Options {
@@ -77,14 +78,6 @@ const std::vector<Config>& all_configs() {
        "bf16-mixed"},
   };
   return configs;
-}
-
-std::string load_average() {
-  std::string text = fsdp::bench::read_text("/proc/loadavg");
-  std::istringstream in(text);
-  std::string a, b, c;
-  in >> a >> b >> c;
-  return a + " " + b + " " + c;
 }
 
 double max_of(const json& values) {
@@ -125,12 +118,6 @@ json run_one(const Options& o, const Config& c, const std::string& system) {
   }
   r["config"] = c.label;
   return r;
-}
-
-std::string fixed(double v, int digits) {
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), "%.*f", digits, v);
-  return buf;
 }
 
 std::string markdown_table(const json& out) {
@@ -208,15 +195,7 @@ int run_peers(const std::vector<std::string>& args) {
       ->capture_default_str();
   if (auto status = fsdp::bench::parse_args(app, "peers", args)) return *status;
 
-  auto split = [](const std::string& s) {
-    std::vector<std::string> v;
-    std::stringstream in(s);
-    for (std::string item; std::getline(in, item, ',');) {
-      if (!item.empty()) v.push_back(item);
-    }
-    return v;
-  };
-  o.systems = split(systems_arg);
+  o.systems = fsdp::bench::split_list(systems_arg);
   for (const auto& s : o.systems) {
     if (s != "pytorch" && s != "fsdp.cpp" && s != "lightning") {
       std::cerr << "fsdp-bench peers: error: unknown system '" << s
@@ -225,7 +204,7 @@ int run_peers(const std::vector<std::string>& args) {
     }
   }
   std::vector<Config> configs;
-  for (const auto& name : split(configs_arg)) {
+  for (const auto& name : fsdp::bench::split_list(configs_arg)) {
     auto it = std::find_if(all_configs().begin(), all_configs().end(),
                            [&](const Config& c) { return c.name == name; });
     if (it == all_configs().end()) {
@@ -260,7 +239,7 @@ int run_peers(const std::vector<std::string>& args) {
                    {"data", "synthetic, the batches of fsdp-train --save-batches"},
                    {"cores", cores},
                    {"threads_per_rank", std::max(1u, cores / static_cast<unsigned>(run.devices))}};
-  out["load_average_start"] = load_average();
+  out["load_average_start"] = fsdp::bench::load_average();
 
   // The batches every system trains on: fsdp-train's own, written once.
   out["batches"] = fsdp::bench::write_batches(o.fsdp_train, run);
@@ -294,7 +273,7 @@ int run_peers(const std::vector<std::string>& args) {
   }
   out["baseline"] = base ? json("pytorch-ddp") : json(nullptr);
   out["runs"] = runs;
-  out["load_average_end"] = load_average();
+  out["load_average_end"] = fsdp::bench::load_average();
   out["work_dir"] = run.dir.string();
   out["markdown"] = markdown_table(out);
   std::cout << out.dump(2) << std::endl;

@@ -161,6 +161,7 @@ nlohmann::json run_fsdp_train(const std::string& fsdp_train, const TrainRun& run
                           "step_end_seconds", "peak_alloc_mb", "setup_peak_alloc_mb"}) {
     r[key] = s[key];
   }
+  if (s.contains("comm_bytes_per_step")) r["comm_bytes_per_step"] = s["comm_bytes_per_step"];
   r["peak_rss_mb"] = rss;
   r["threads_per_rank"] = std::max(1u, std::thread::hardware_concurrency() / run.devices);
   return r;
@@ -195,6 +196,28 @@ nlohmann::json run_peer(const std::string& python, const std::string& script,
     r["error"] = what + " printed no JSON: " + tail(read_text(err));
   }
   return r;
+}
+
+std::string load_average() {
+  std::istringstream in(read_text("/proc/loadavg"));
+  std::string a, b, c;
+  in >> a >> b >> c;
+  return a + " " + b + " " + c;
+}
+
+std::string fixed(double v, int digits) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.*f", digits, v);
+  return buf;
+}
+
+std::vector<std::string> split_list(const std::string& comma_list) {
+  std::vector<std::string> v;
+  std::stringstream in(comma_list);
+  for (std::string item; std::getline(in, item, ',');) {
+    if (!item.empty()) v.push_back(item);
+  }
+  return v;
 }
 
 nlohmann::json it_per_s(const std::vector<double>& step_end_seconds, int warmup) {

@@ -61,6 +61,13 @@ nlohmann::json run_peer(const std::string& python, const std::string& script,
                         const TrainRun& run, const std::vector<std::string>& flags,
                         const std::string& name);
 
+// "/proc/loadavg"'s three load averages ("6.73 7.20 7.11"), for reports.
+std::string load_average();
+// v with `digits` decimals.
+std::string fixed(double v, int digits);
+// "a,b,,c" -> {"a", "b", "c"}.
+std::vector<std::string> split_list(const std::string& comma_list);
+
 // Optimizer steps per second after `warmup` steps, from the end times of every step (seconds
 // on one clock): (n - warmup) / (end[n-1] - end[warmup-1]). Every system of a benchmark is
 // timed with this one function. Needs 1 <= warmup < n; otherwise null.
