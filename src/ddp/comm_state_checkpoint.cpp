@@ -3,6 +3,8 @@
 // in checkpoints, one safetensors file per rank. See docs/ddp_comm_hooks.md "Checkpoints".
 #include "fsdp/ddp.h"
 
+#include "fsdp/checkpoint.h"
+
 #include "ckpt/layout.h"
 #include "ckpt/safetensors.h"
 
@@ -51,17 +53,10 @@ void DDPStrategy::save_extra_state(const std::string& dir) {
   meta[kKind] = comm_state_->kind();
   for (const auto& [k, v] : d.values) meta[kValuePrefix + k] = v;
   if (averager_) meta[kAveragerStep] = std::to_string(averager_->step());
-  std::vector<ckpt::TensorSpec> specs;
-  std::vector<at::Tensor> data;
-  for (const auto& [name, t] : d.tensors) {
-    data.push_back(t.detach().to(at::kCPU).contiguous());
-    specs.push_back({name, ckpt::to_dtype(t.scalar_type()), t.sizes().vec()});
-  }
+  std::vector<std::pair<std::string, at::Tensor>> tensors(d.tensors.begin(), d.tensors.end());
   const std::string path = (fs::path(dir) / file_name(rank(), world_size())).string();
   try {
-    ckpt::SafetensorsWriter w(path, specs, meta);
-    for (const auto& t : data) w.write(t.data_ptr(), static_cast<size_t>(t.nbytes()));
-    w.commit();
+    save_safetensors(path, tensors, meta);
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "[ddp] rank ", rank(), ": cannot write the comm hook state to ", path,
                 ": ", e.what());
