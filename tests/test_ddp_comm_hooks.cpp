@@ -384,11 +384,11 @@ LoopResult train(ProcessGroup& pg, fsdp::DDPOptions options, int64_t steps,
     ddp->backward(loss);
     ddp->finish_backward(true);
     ddp->optimizer_step(opt);
-    opt.zero_grad();
     at::Tensor mean = loss.detach().reshape({1}).clone();
     pg.all_reduce(mean, fsdp::ReduceOp::kAvg);
     r.losses.push_back(mean.item<double>());
-    if (after_step) after_step(s, *ddp, *model);
+    if (after_step) after_step(s, *ddp, *model);  // gradients still there
+    opt.zero_grad();
   }
   r.params = flat_params(*model);
   return r;
