@@ -101,6 +101,25 @@ class CommBytesRecorder : public fsdp::Callback {
   std::vector<int64_t> per_step_;
 };
 
+// --save-initial-weights FILE: the parameters training starts from (after DDP's broadcast from
+// rank 0), FQN keys, safetensors, so that a Python peer can start from the same weights
+// (bench/peers/mirror.py --weights).
+class InitialWeightsWriter : public fsdp::Callback {
+ public:
+  explicit InitialWeightsWriter(std::string path) : path_(std::move(path)) {}
+  void on_fit_start(fsdp::Trainer& t, fsdp::LightningModule& module) override {
+    if (!t.is_global_zero()) return;
+    std::vector<std::pair<std::string, at::Tensor>> tensors;
+    for (const auto& item : module.named_parameters(/*recurse=*/true)) {
+      tensors.emplace_back(item.key(), item.value().detach());
+    }
+    fsdp::save_safetensors(path_, tensors);
+  }
+
+ private:
+  std::string path_;
+};
+
 struct Args {
   // Trainer
   std::string accelerator = "cpu";
@@ -149,6 +168,7 @@ struct Args {
   std::string summary_json;
   bool dry_run = false;  // print the parameter count and memory per strategy; allocate nothing
   std::string save_batches;  // write the run's micro-batches (every rank's) here and exit
+  std::string save_initial_weights;  // rank 0 writes the weights training starts from here
   // Checkpoints (include/fsdp/checkpoint.h)
   std::string checkpoint_dir;
   int64_t save_every_n_steps = 0;
@@ -475,6 +495,11 @@ int run(const Args& a, const ModelSpec& spec_in) {
   if (ddp) t.strategy = std::make_shared<fsdp::DDPStrategy>(ddp_options(a.ddp));
   auto comm_bytes = std::make_shared<CommBytesRecorder>();
   t.callbacks.push_back(comm_bytes);
+  if (!a.save_initial_weights.empty()) {
+    TORCH_CHECK(a.strategy.rfind("fsdp", 0) != 0, "[fsdp-train] --save-initial-weights needs "
+                "whole parameters on rank 0 (strategy single or ddp); FSDP shards them");
+    t.callbacks.push_back(std::make_shared<InitialWeightsWriter>(a.save_initial_weights));
+  }
   t.precision = a.precision;
   t.max_epochs = a.max_epochs;
   t.max_steps = a.max_steps;
@@ -738,6 +763,9 @@ int main(int argc, char** argv) {
   app.add_flag("--dry-run", a.dry_run,
                "print the parameter count and per-rank memory of every strategy at --devices, "
                "without allocating the model (meta device), and exit");
+  app.add_option("--save-initial-weights", a.save_initial_weights,
+                 "rank 0 writes the parameters training starts from to FILE (safetensors, FQN "
+                 "keys; strategy single or ddp), e.g. for a Python peer's --weights");
   app.add_option("--save-batches", a.save_batches,
                  "write the micro-batches of the first --max-steps steps, every rank's, to this "
                  "safetensors file (for bench/peers/*.py) and exit without training");
