@@ -4,9 +4,11 @@
 //   fsdp-train --model custom --nlayers 4 --ninp 256 --nhead 4 --nhid 1024 --data wikitext2 \
 //              --data-dir ../shared/data/wikitext-2
 //
-// Every flag mirrors a TrainerOptions field or a model/data choice (`--help` lists them with
-// their defaults). An unknown flag or a bad value prints one line and exits 2; an error during
-// the run prints "[rank R] error: ..." once and exits 1 (all ranks stop).
+// Every flag sets a TrainerOptions / FSDPOptions / DDPOptions (and its comm hook's PowerSGDOptions /
+// PostLocalSGDOptions) / ModelCheckpointOptions field, or a model/data
+// choice (`--help` lists them with their defaults). An unknown flag or a bad value prints one
+// line and exits 2; an error during the run prints "[rank R] error: ..." once and exits 1 (all
+// ranks stop).
 #include <fsdp/checkpoint.h>
 #include <fsdp/fsdp.h>
 
@@ -25,55 +27,18 @@
 
 namespace {
 
-// The DDP flags: DDPOptions and its communication hooks (include/fsdp/ddp.h, comm_hooks.h).
-struct DdpArgs {
-  double bucket_cap_mb = 25;
-  bool find_unused_parameters = false;
-  bool static_graph = false;
-  bool gradient_as_bucket_view = false;
-  std::string comm_hook = "none";
-  std::string comm_wrapper = "none";
-  fsdp::PowerSGDOptions powersgd;
-  bool no_error_feedback = false;
-  bool no_warm_start = false;
-  fsdp::PostLocalSGDOptions post_local_sgd;
-  bool no_post_local_gradient_allreduce = false;
-  int64_t model_averaging_period = 0;
-  std::vector<CLI::Option*> options;  // every DDP flag: given with another strategy = error
-};
-
-fsdp::DDPOptions ddp_options(const DdpArgs& a) {
-  fsdp::DDPOptions o;
-  o.bucket_cap_mb = a.bucket_cap_mb;
-  o.find_unused_parameters = a.find_unused_parameters;
-  o.static_graph = a.static_graph;
-  o.gradient_as_bucket_view = a.gradient_as_bucket_view;
-  fsdp::PowerSGDOptions ps = a.powersgd;
-  ps.use_error_feedback = !a.no_error_feedback;
-  ps.warm_start = !a.no_warm_start;
-  fsdp::PostLocalSGDOptions pl = a.post_local_sgd;
-  pl.post_local_gradient_allreduce = !a.no_post_local_gradient_allreduce;
-  TORCH_CHECK(a.comm_hook != "post_local_sgd" || pl.start_local_sgd_iter >= 0,
-              "[fsdp-train] --ddp-comm-hook post_local_sgd needs --start-local-sgd-iter N "
-              "(global all-reduce for the first N steps; PyTorch has no default) and "
-              "--model-averaging-period P");
-  fsdp::set_comm_hook(o, a.comm_hook, a.comm_wrapper, ps, pl);
-  o.model_averaging_period = a.model_averaging_period;
-  return o;
-}
-
-// Bytes this rank sent through its process groups in each optimizer step, as counted by
-// fsdp::ProcessGroup (every collective: DDP's gradient buckets, the model averager, the
-// Trainer's loss all-reduce; post-local SGD's subgroup included). For --summary-json.
+// Bytes this rank passed to collectives in each optimizer step, as counted by the process groups
+// the strategy communicates on (Strategy::comm_bytes: DDP's gradient buckets and its comm hook's
+// subgroups, the model averager, the Trainer's loss all-reduce). For --summary-json.
 class CommBytesRecorder : public fsdp::Callback {
  public:
   void on_fit_start(fsdp::Trainer& t, fsdp::LightningModule&) override {
-    last_ = now(t);
+    last_ = t.strategy()->comm_bytes();
     last_step_ = t.global_step();
   }
   void on_train_batch_end(fsdp::Trainer& t, fsdp::LightningModule&, int64_t) override {
     if (t.global_step() == last_step_) return;  // inside an accumulation window
-    const int64_t n = now(t);
+    const int64_t n = t.strategy()->comm_bytes();
     per_step_.push_back(n - last_);
     last_ = n;
     last_step_ = t.global_step();
@@ -81,21 +46,6 @@ class CommBytesRecorder : public fsdp::Callback {
   const std::vector<int64_t>& per_step() const { return per_step_; }
 
  private:
-  static int64_t total(const fsdp::CommCounters& c) {
-    return c.all_gather_bytes + c.reduce_scatter_bytes + c.all_reduce_bytes + c.broadcast_bytes +
-           c.all_to_all_bytes;
-  }
-  static int64_t now(fsdp::Trainer& t) {
-    const auto& world = t.strategy()->world();
-    if (!world) return 0;
-    int64_t n = total(world->counters());
-    if (auto* ddp = dynamic_cast<fsdp::DDPStrategy*>(t.strategy().get())) {
-      if (auto* pl = dynamic_cast<fsdp::PostLocalSGDState*>(ddp->comm_state().get())) {
-        if (pl->subgroup() && pl->subgroup() != world) n += total(pl->subgroup()->counters());
-      }
-    }
-    return n;
-  }
   int64_t last_ = 0;
   int64_t last_step_ = 0;
   std::vector<int64_t> per_step_;
@@ -103,7 +53,7 @@ class CommBytesRecorder : public fsdp::Callback {
 
 // --save-initial-weights FILE: the parameters training starts from (after DDP's broadcast from
 // rank 0), FQN keys, safetensors, so that a Python peer can start from the same weights
-// (bench/peers/mirror.py --weights).
+// (bench/peers/ddp_hooks_peer.py --weights).
 class InitialWeightsWriter : public fsdp::Callback {
  public:
   explicit InitialWeightsWriter(std::string path) : path_(std::move(path)) {}
@@ -120,25 +70,24 @@ class InitialWeightsWriter : public fsdp::Callback {
   std::string path_;
 };
 
+// The command line. Flags bind straight to the options they set: the library's TrainerOptions,
+// FSDPOptions (with --strategy fsdp*) and ModelCheckpointOptions (with --checkpoint-dir); the
+// rest are this program's own choices (model, data, optimizer, output).
 struct Args {
-  // Trainer
-  std::string accelerator = "cpu";
-  int devices = 1;
-  int num_nodes = 1;
-  std::string strategy = "auto";
-  std::string precision = "32-true";
-  int64_t max_steps = 100;
-  int64_t max_epochs = -1;
-  int64_t accumulate_grad_batches = 1;
-  double gradient_clip_val = 0;
-  double limit_train_batches = -1;
-  double limit_val_batches = -1;
-  double val_check_interval = 0;
-  int64_t log_every = 10;
-  std::string default_root_dir = "fsdp_logs";
-  std::string backend = "auto";
-  bool no_progress_bar = false;
-  uint64_t seed = 42;
+  fsdp::TrainerOptions trainer;
+  fsdp::FSDPOptions fsdp;
+  fsdp::ModelCheckpointOptions checkpoint;
+  // DDP (--strategy ddp, or auto with more than one rank): DDPOptions, and its comm hook by name
+  // with the options of the built-in states (include/fsdp/comm_hooks.h).
+  fsdp::DDPOptions ddp;
+  std::string ddp_comm_hook = "none";
+  std::string ddp_comm_wrapper = "none";
+  fsdp::PowerSGDOptions powersgd;
+  fsdp::PostLocalSGDOptions post_local_sgd;
+  std::vector<CLI::Option*> ddp_flags;  // given with another strategy: an error
+  std::string strategy = "auto";       // a registry name; fsdp* names get `fsdp` above
+  std::string wrap_policy = "layers";  // FSDPOptions::auto_wrap_policy, from the model's layers
+  bool activation_checkpointing = false;  // any strategy: the model's layer types
   // Model
   std::string model = "transformer-tiny";
   int64_t nlayers = 2, nhid = 200, ninp = 200, nhead = 2;
@@ -154,30 +103,22 @@ struct Args {
   int64_t batch_size = 4;
   int64_t block_size = 35;
   int64_t num_tokens = 0;
-  // FSDP (--strategy fsdp*)
-  std::string sharding_strategy;
-  std::string wrap_policy = "layers";
-  bool limit_all_gathers = false;
-  std::string backward_prefetch = "pre";
-  bool forward_prefetch = false;
-  int hybrid_shard_size = 0;
-  bool activation_checkpointing = false;  // any strategy: the model's layer types
-  // DDP (--strategy ddp, or auto with more than one rank): include/fsdp/ddp.h, comm_hooks.h
-  DdpArgs ddp;
   // Output
   std::string summary_json;
   bool dry_run = false;  // print the parameter count and memory per strategy; allocate nothing
   std::string save_batches;  // write the run's micro-batches (every rank's) here and exit
   std::string save_initial_weights;  // rank 0 writes the weights training starts from here
-  // Checkpoints (include/fsdp/checkpoint.h)
-  std::string checkpoint_dir;
-  int64_t save_every_n_steps = 0;
-  std::string state_dict_type = "full";
   std::string ckpt_path;
-  int64_t save_top_k = -1;
-  std::string monitor;
-  std::string mode = "min";
-  int64_t every_n_epochs = 0;
+
+  Args() {  // this program's defaults where they differ from the library's
+    trainer.max_steps = 100;
+    trainer.log_every_n_steps = 10;
+    trainer.seed = 42;
+    checkpoint.save_top_k = -1;     // keep every checkpoint unless --save-top-k
+    checkpoint.every_n_epochs = 0;  // 0: not given (see run())
+  }
+  int world() const { return trainer.devices * trainer.num_nodes; }
+  bool is_ddp() const { return strategy == "ddp" || (strategy == "auto" && world() > 1); }
 };
 
 // What the model is made of; built on every rank from the same flags and seed.
@@ -300,15 +241,15 @@ Data load_data(const Args& a) {
   if (tokens <= 0) {
     // Enough that one epoch covers max_steps steps (depends only on the global batch, so runs
     // with the same global batch over different worlds read the same corpus), at least 100k.
-    const int64_t world = int64_t(a.devices) * a.num_nodes;
-    const int64_t steps = std::max<int64_t>(a.max_steps, 0);
-    const int64_t samples = steps * a.accumulate_grad_batches * a.batch_size * world + world;
+    const int64_t world = a.world();
+    const int64_t steps = std::max<int64_t>(a.trainer.max_steps, 0);
+    const int64_t samples = steps * a.trainer.accumulate_grad_batches * a.batch_size * world + world;
     tokens = std::max<int64_t>(100000, (samples + 2) * a.block_size);
   }
   // One chain, one token stream: the first 90% trains, the rest validates (a different seed
   // would be a different chain, which no model could predict).
   auto corpus = std::make_shared<fsdp::demos::SyntheticCorpus>(
-      vocab, tokens + tokens / 9, a.seed, a.block_size);
+      vocab, tokens + tokens / 9, static_cast<uint64_t>(a.trainer.seed), a.block_size);
   const at::Tensor& all = corpus->tokens();
   d.train = std::make_shared<fsdp::TokenBlockDataset>(all.narrow(0, 0, tokens), vocab,
                                                       a.block_size);
@@ -316,6 +257,30 @@ Data load_data(const Args& a) {
       all.narrow(0, tokens, all.numel() - tokens), vocab, a.block_size);
   d.vocab_size = vocab;
   return d;
+}
+
+// A CLI11 transform that parses a flag's value with one of the library's parsers (the one
+// place each name is parsed) into the enum the option holds; the parser's error (which lists
+// the valid names) becomes the flag error. `only`: the spellings this program accepts (empty:
+// every spelling the parser knows).
+template <typename Enum>
+CLI::Validator parsed_by(Enum (*parse)(const std::string&), const std::string& name,
+                         std::vector<std::string> only = {}) {
+  return CLI::Validator(
+      [parse, only](std::string& value) -> std::string {
+        if (!only.empty() && std::find(only.begin(), only.end(), value) == only.end()) {
+          std::string valid;
+          for (const auto& o : only) valid += (valid.empty() ? "" : ", ") + o;
+          return value + " not in {" + valid + "}";
+        }
+        try {
+          value = std::to_string(static_cast<int>(parse(value)));
+          return {};
+        } catch (const c10::Error& e) {
+          return e.what_without_backtrace();
+        }
+      },
+      name);
 }
 
 std::string what_of(const std::exception& e) {
@@ -349,7 +314,8 @@ int dry_run(const Args& a, const ModelSpec& spec_in) {
   }
   int64_t params = 0;
   for (const auto& p : model->parameters()) params += p.numel();
-  const int world = a.devices * a.num_nodes;
+  const int world = a.world();
+  const int devices = a.trainer.devices;
   // The presets with a published vocabulary keep it (see fsdp/models.h).
   int64_t vocab = spec.vocab_size;
   if (spec.name != "custom") {
@@ -371,8 +337,9 @@ int dry_run(const Args& a, const ModelSpec& spec_in) {
   std::vector<fsdp::ShardingStrategy> strategies = {fsdp::ShardingStrategy::kNoShard,
                                                     fsdp::ShardingStrategy::kShardGradOp,
                                                     fsdp::ShardingStrategy::kFullShard};
-  const int shard_size = a.hybrid_shard_size > 0 ? a.hybrid_shard_size : a.devices;
-  if (a.num_nodes > 1 || (shard_size > 1 && shard_size < world && world % shard_size == 0)) {
+  const int shard_size = a.fsdp.hybrid_shard_size > 0 ? a.fsdp.hybrid_shard_size : devices;
+  if (a.trainer.num_nodes > 1 ||
+      (shard_size > 1 && shard_size < world && world % shard_size == 0)) {
     strategies.push_back(fsdp::ShardingStrategy::kHybridShard);  // meaningful: > 1 shard group
   }
   for (auto ss : strategies) {
@@ -380,15 +347,15 @@ int dry_run(const Args& a, const ModelSpec& spec_in) {
     o.sharding_strategy = ss;
     o.auto_wrap_policy = fsdp::parse_wrap_policy(
         a.wrap_policy, fsdp::demos::layer_types(a.model == "custom" ? "transformer-tiny" : a.model));
-    o.hybrid_shard_size = a.hybrid_shard_size;
-    const fsdp::FSDPMemoryEstimate e = fsdp::estimate_fsdp_memory(*model, o, world, a.devices);
+    o.hybrid_shard_size = a.fsdp.hybrid_shard_size;
+    const fsdp::FSDPMemoryEstimate e = fsdp::estimate_fsdp_memory(*model, o, world, devices);
     rows.push_back({std::string("fsdp ") + fsdp::to_string(ss), e.sharded_param_bytes,
                     e.sharded_grad_bytes, e.optimizer_bytes, e.unsharded_peak_bytes});
   }
 
   std::cout << "[fsdp-train] dry run: model " << a.model << ", " << with_commas(params)
             << " parameters (" << fsdp::format_bytes(params * 4) << " fp32), vocab "
-            << vocab << ", world " << world << " (" << a.devices << " per node), "
+            << vocab << ", world " << world << " (" << devices << " per node), "
             << "wrap policy " << a.wrap_policy << "; nothing allocated (meta device)\n";
   std::printf("%-20s %12s %12s %12s %14s %12s\n", "strategy", "params/rank", "grads/rank",
               "Adam state", "buffers/units", "total/rank");
@@ -428,17 +395,18 @@ int dry_run(const Args& a, const ModelSpec& spec_in) {
 // [r*B, (r+1)*B) of micro-batch i are rank r's batch i, drawn from the loader the Trainer gives
 // rank r (see Note [Sampler striding]). Covers the first epoch; nothing trains.
 int save_batches(const Args& a) {
-  fsdp::seed_everything(a.seed);
+  const uint64_t seed = static_cast<uint64_t>(a.trainer.seed);
+  fsdp::seed_everything(seed);
   Data data = load_data(a);
-  const int64_t world = int64_t(a.devices) * a.num_nodes, B = a.batch_size;
-  const int64_t micro = a.max_steps * a.accumulate_grad_batches;
-  TORCH_CHECK(a.max_steps > 0, "[fsdp-train] --save-batches needs --max-steps > 0 (how many "
+  const int64_t world = a.world(), B = a.batch_size;
+  const int64_t micro = a.trainer.max_steps * a.trainer.accumulate_grad_batches;
+  TORCH_CHECK(a.trainer.max_steps > 0, "[fsdp-train] --save-batches needs --max-steps > 0 (how many "
               "steps' batches to write)");
   std::vector<fsdp::DataLoader> loaders;
   for (int64_t r = 0; r < world; ++r) {  // what the Trainer's distribute() gives rank r
     loaders.emplace_back(data.train, B,
                          fsdp::DistributedSampler(data.train->size(), world, r, /*shuffle=*/true,
-                                                  a.seed),
+                                                  seed),
                          /*drop_last=*/true);
   }
   TORCH_CHECK(micro <= loaders[0].num_batches(), "[fsdp-train] --save-batches writes one epoch: ",
@@ -466,33 +434,24 @@ int save_batches(const Args& a) {
 }
 
 int run(const Args& a, const ModelSpec& spec_in) {
-  fsdp::seed_everything(a.seed);
+  const uint64_t seed = static_cast<uint64_t>(a.trainer.seed);
+  fsdp::seed_everything(seed);
   // Data first: a missing file fails once, here, before the other ranks are started.
   Data data = load_data(a);
 
-  fsdp::TrainerOptions t;
-  t.accelerator = a.accelerator;
-  t.devices = a.devices;
-  t.num_nodes = a.num_nodes;
+  fsdp::TrainerOptions t = a.trainer;
   t.strategy = a.strategy;
   if (a.strategy.rfind("fsdp", 0) == 0) {  // FSDP flags; see include/fsdp/fsdp_strategy.h
-    fsdp::FSDPOptions o;
-    if (!a.sharding_strategy.empty()) o.sharding_strategy = fsdp::parse_sharding_strategy(a.sharding_strategy);
+    fsdp::FSDPOptions o = a.fsdp;
     o.auto_wrap_policy = fsdp::parse_wrap_policy(
         a.wrap_policy, fsdp::demos::layer_types(a.model == "custom" ? "transformer-tiny" : a.model));
-    o.limit_all_gathers = a.limit_all_gathers;
-    o.backward_prefetch = fsdp::parse_backward_prefetch(a.backward_prefetch);
-    o.forward_prefetch = a.forward_prefetch;
-    o.hybrid_shard_size = a.hybrid_shard_size;
     t.strategy = fsdp::make_fsdp_strategy(a.strategy, o);
   }
-  const int world = a.devices * a.num_nodes;
-  const bool ddp = a.strategy == "ddp" || (a.strategy == "auto" && world > 1);
-  for (auto* o : a.ddp.options) {
-    TORCH_CHECK(o->count() == 0 || ddp, "[fsdp-train] ", o->get_name(), " applies to --strategy "
-                "ddp (got --strategy ", a.strategy, " with ", world, " rank(s))");
+  if (a.is_ddp()) {  // DDP flags; see include/fsdp/ddp.h and comm_hooks.h
+    fsdp::DDPOptions o = a.ddp;
+    fsdp::set_comm_hook(o, a.ddp_comm_hook, a.ddp_comm_wrapper, a.powersgd, a.post_local_sgd);
+    t.strategy = std::make_shared<fsdp::DDPStrategy>(o);
   }
-  if (ddp) t.strategy = std::make_shared<fsdp::DDPStrategy>(ddp_options(a.ddp));
   auto comm_bytes = std::make_shared<CommBytesRecorder>();
   t.callbacks.push_back(comm_bytes);
   if (!a.save_initial_weights.empty()) {
@@ -500,41 +459,21 @@ int run(const Args& a, const ModelSpec& spec_in) {
                 "whole parameters on rank 0 (strategy single or ddp); FSDP shards them");
     t.callbacks.push_back(std::make_shared<InitialWeightsWriter>(a.save_initial_weights));
   }
-  t.precision = a.precision;
-  t.max_epochs = a.max_epochs;
-  t.max_steps = a.max_steps;
-  t.limit_train_batches = a.limit_train_batches;
-  t.limit_val_batches = a.limit_val_batches;
-  t.val_check_interval = a.val_check_interval;
-  t.accumulate_grad_batches = a.accumulate_grad_batches;
-  t.gradient_clip_val = a.gradient_clip_val;
-  t.log_every_n_steps = a.log_every;
-  t.enable_progress_bar = !a.no_progress_bar;
-  t.default_root_dir = a.default_root_dir;
-  t.seed = static_cast<int64_t>(a.seed);
-  t.process_group_backend = a.backend;
-  t.state_dict_type = a.state_dict_type;
-  TORCH_CHECK(!a.checkpoint_dir.empty() ||
-                  (a.save_every_n_steps == 0 && a.every_n_epochs == 0 && a.monitor.empty() &&
-                   a.save_top_k == -1),
+  const fsdp::ModelCheckpointOptions& c = a.checkpoint;
+  TORCH_CHECK(!c.dirpath.empty() || (c.every_n_train_steps == 0 && c.every_n_epochs == 0 &&
+                                     c.monitor.empty() && c.save_top_k == -1),
               "[fsdp-train] --save-every-n-steps, --every-n-epochs, --monitor and --save-top-k "
               "need --checkpoint-dir DIR (where the checkpoints go)");
-  if (!a.checkpoint_dir.empty() &&
-      (a.save_every_n_steps > 0 || a.every_n_epochs > 0 || !a.monitor.empty())) {
+  if (!c.dirpath.empty() &&
+      (c.every_n_train_steps > 0 || c.every_n_epochs > 0 || !c.monitor.empty())) {
     // A ModelCheckpoint: DIR/step-<k>[-<monitor>=<value>] entries, DIR/last -> the newest.
-    fsdp::ModelCheckpointOptions mc;
-    mc.dirpath = a.checkpoint_dir;
+    fsdp::ModelCheckpointOptions mc = c;
     mc.filename = "step-{step}";
-    if (!a.monitor.empty()) mc.filename += "-" + a.monitor + "={" + a.monitor + "}";
+    if (!c.monitor.empty()) mc.filename += "-" + c.monitor + "={" + c.monitor + "}";
     mc.auto_insert_metric_name = false;
-    mc.monitor = a.monitor;
-    mc.mode = a.mode;
-    mc.save_top_k = a.save_top_k;
     mc.save_last = true;
-    mc.every_n_train_steps = a.save_every_n_steps;
-    // Lightning's default: every epoch when no step period is given.
-    mc.every_n_epochs = a.every_n_epochs > 0 ? a.every_n_epochs
-                                             : (a.save_every_n_steps > 0 ? 0 : 1);
+    // Lightning's default (-1): every epoch when no step period is given.
+    if (mc.every_n_epochs == 0) mc.every_n_epochs = -1;
     t.callbacks.push_back(std::make_shared<fsdp::ModelCheckpoint>(mc));
   }
   fsdp::Trainer trainer(t);  // devices > 1: the other ranks start here and run main() again
@@ -544,12 +483,12 @@ int run(const Args& a, const ModelSpec& spec_in) {
   // Lightning's convention: batch size per rank; the Trainer strides the sampler over ranks.
   fsdp::DataLoader train_loader(
       data.train, a.batch_size,
-      fsdp::DistributedSampler(data.train->size(), 1, 0, /*shuffle=*/true, a.seed), true);
+      fsdp::DistributedSampler(data.train->size(), 1, 0, /*shuffle=*/true, seed), true);
   std::unique_ptr<fsdp::DataLoader> val_loader;
   if (data.val && data.val->size() > 0) {
     val_loader = std::make_unique<fsdp::DataLoader>(
         data.val, a.batch_size,
-        fsdp::DistributedSampler(data.val->size(), 1, 0, /*shuffle=*/false, a.seed), true);
+        fsdp::DistributedSampler(data.val->size(), 1, 0, /*shuffle=*/false, seed), true);
   }
 
   LanguageModel model(spec, a.optimizer, a.lr, a.weight_decay);
@@ -597,12 +536,12 @@ int run(const Args& a, const ModelSpec& spec_in) {
     j["setup_peak_alloc_mb"] = setup_alloc;
     j["setup_peak_rss_mb"] = setup_rss;
     j["losses"] = r.losses;
-    j["comm_bytes_per_step"] = comm_bytes->per_step();
-    j["comm_bytes_note"] = "bytes rank 0 passed to collectives in each optimizer step, counted by "
-                           "the process group (gradients, model averaging, the loss all-reduce)";
     j["final_loss"] = r.losses.empty() ? nlohmann::json(nullptr) : nlohmann::json(r.losses.back());
     j["metrics"] = r.metrics;
     j["log_dir"] = r.log_dir;
+    j["comm_bytes_per_step"] = comm_bytes->per_step();
+    j["comm_bytes_note"] = "bytes rank 0 passed to collectives in each optimizer step, counted by "
+                           "the process groups (gradients, model averaging, the loss all-reduce)";
     std::ofstream f(a.summary_json);
     TORCH_CHECK(f, "[fsdp-train] cannot write --summary-json '", a.summary_json, "'");
     f << j.dump(2) << "\n";
@@ -631,31 +570,50 @@ int main(int argc, char** argv) {
     return v;
   }();
 
+  fsdp::TrainerOptions& t = a.trainer;
+  fsdp::FSDPOptions& f = a.fsdp;
+  fsdp::ModelCheckpointOptions& c = a.checkpoint;
   const auto at_least_minus_one =
       CLI::Range(int64_t(-1), std::numeric_limits<int64_t>::max()).description(">= -1");
 
   // Trainer
-  app.add_option("--accelerator", a.accelerator, "cpu | auto | cuda | gpu (cuda needs a CUDA build of libtorch)")
+  app.add_option("--accelerator", t.accelerator, "cpu | auto | cuda | gpu (cuda needs a CUDA build of libtorch)")
       ->check(CLI::IsMember(fsdp::Trainer::accelerator_names()));
-  app.add_option("--devices", a.devices, "ranks (processes) per node")->check(CLI::PositiveNumber);
-  app.add_option("--num-nodes", a.num_nodes, "nodes (under SLURM/mpirun/torchrun-style env)")
+  app.add_option("--devices", t.devices, "ranks (processes) per node")->check(CLI::PositiveNumber);
+  app.add_option("--num-nodes", t.num_nodes, "nodes (under SLURM/mpirun/torchrun-style env)")
       ->check(CLI::PositiveNumber);
   app.add_option("--strategy", a.strategy, "auto = single for one rank, ddp for more")
       ->check(CLI::IsMember(strategies));
-  app.add_option("--sharding-strategy", a.sharding_strategy,
-                 "fsdp: FULL_SHARD | SHARD_GRAD_OP | NO_SHARD | HYBRID_SHARD | HYBRID_SHARD_ZERO2");
+  app.add_option("--sharding-strategy", f.sharding_strategy,
+                 "fsdp: FULL_SHARD | SHARD_GRAD_OP | NO_SHARD | HYBRID_SHARD | HYBRID_SHARD_ZERO2")
+      ->transform(parsed_by(fsdp::parse_sharding_strategy, "SHARDING_STRATEGY"))
+      ->default_str(fsdp::to_string(f.sharding_strategy));
   app.add_option("--wrap-policy", a.wrap_policy, "fsdp units: layers | size:N | none");
-  app.add_flag("--limit-all-gathers", a.limit_all_gathers, "fsdp: at most two units unsharded");
-  app.add_option("--prefetch,--backward-prefetch", a.backward_prefetch, "fsdp backward prefetch: pre | post | none")
-      ->check(CLI::IsMember({"pre", "post", "none"}));
-  app.add_flag("--forward-prefetch", a.forward_prefetch, "fsdp: all-gather the next unit during forward");
+  app.add_flag("--limit-all-gathers", f.limit_all_gathers, "fsdp: at most two units unsharded");
+  app.add_option("--prefetch,--backward-prefetch", f.backward_prefetch,
+                 "fsdp backward prefetch: pre | post | none")
+      ->transform(parsed_by(fsdp::parse_backward_prefetch, "PREFETCH", {"pre", "post", "none"}))
+      ->default_str(fsdp::to_string(f.backward_prefetch));
+  app.add_flag("--forward-prefetch", f.forward_prefetch, "fsdp: all-gather the next unit during forward");
   app.add_flag("--activation-checkpointing", a.activation_checkpointing,
                "recompute each layer's activations in backward (any strategy): less activation "
                "memory, about 1/3 more compute");
-  app.add_option("--hybrid-shard-size", a.hybrid_shard_size, "fsdp hybrid: ranks per shard group (0: one node)");
+  app.add_option("--hybrid-shard-size", f.hybrid_shard_size, "fsdp hybrid: ranks per shard group (0: one node)");
   // DDP
-  auto& d = a.ddp;
-  d.options = {
+  fsdp::DDPOptions& d = a.ddp;
+  fsdp::PowerSGDOptions& ps = a.powersgd;
+  fsdp::PostLocalSGDOptions& pl = a.post_local_sgd;
+  const std::vector<std::string> hooks = [] {
+    auto v = fsdp::comm_hook_names();
+    v.insert(v.begin(), "none");
+    return v;
+  }();
+  const std::vector<std::string> wrappers = [] {
+    auto v = fsdp::comm_wrapper_names();
+    v.insert(v.begin(), "none");
+    return v;
+  }();
+  a.ddp_flags = {
       app.add_option("--bucket-cap-mb", d.bucket_cap_mb, "ddp: gradient bucket size in MB")
           ->check(CLI::PositiveNumber),
       app.add_flag("--find-unused-parameters", d.find_unused_parameters,
@@ -664,75 +622,79 @@ int main(int argc, char** argv) {
                    "ddp: the same parameters every step; buckets rebuilt in gradient order"),
       app.add_flag("--gradient-as-bucket-view", d.gradient_as_bucket_view,
                    "ddp: .grad are views into the buckets (one gradient copy less)"),
-      app.add_option("--ddp-comm-hook", d.comm_hook,
+      app.add_option("--ddp-comm-hook", a.ddp_comm_hook,
                      "ddp: how gradient buckets are communicated: none (all-reduce) | "
                      "allreduce | fp16_compress | bf16_compress | powersgd | batched_powersgd | "
                      "post_local_sgd")
-          ->check(CLI::IsMember([] {
-            auto v = fsdp::comm_hook_names();
-            v.insert(v.begin(), "none");
-            return v;
-          }())),
-      app.add_option("--ddp-comm-wrapper", d.comm_wrapper,
+          ->check(CLI::IsMember(hooks)),
+      app.add_option("--ddp-comm-wrapper", a.ddp_comm_wrapper,
                      "ddp: cast what the hook sends: none | fp16 | bf16")
-          ->check(CLI::IsMember({"none", "fp16", "bf16"})),
-      app.add_option("--powersgd-rank", d.powersgd.matrix_approximation_rank,
+          ->check(CLI::IsMember(wrappers)),
+      app.add_option("--powersgd-rank", ps.matrix_approximation_rank,
                      "powersgd: matrix_approximation_rank")
           ->check(CLI::PositiveNumber),
-      app.add_option("--start-powersgd-iter", d.powersgd.start_powersgd_iter,
+      app.add_option("--start-powersgd-iter", ps.start_powersgd_iter,
                      "powersgd: plain all-reduce for this many steps first (> 1 with error "
-                     "feedback or warm start)"),
-      app.add_option("--min-compression-rate", d.powersgd.min_compression_rate,
+                     "feedback or warm start)")
+          ->check(CLI::NonNegativeNumber),
+      app.add_option("--min-compression-rate", ps.min_compression_rate,
                      "powersgd: compress a matrix only when it shrinks by more than this")
           ->check(CLI::NonNegativeNumber),
-      app.add_flag("--no-error-feedback", d.no_error_feedback, "powersgd: use_error_feedback off"),
-      app.add_flag("--no-warm-start", d.no_warm_start, "powersgd: a new random Q every step"),
-      app.add_option("--orthogonalization-epsilon", d.powersgd.orthogonalization_epsilon,
+      app.add_flag_callback("--no-error-feedback", [&ps] { ps.use_error_feedback = false; },
+                            "powersgd: use_error_feedback off"),
+      app.add_flag_callback("--no-warm-start", [&ps] { ps.warm_start = false; },
+                            "powersgd: a new random Q every step"),
+      app.add_option("--orthogonalization-epsilon", ps.orthogonalization_epsilon,
                      "powersgd: added to column norms (e.g. 1e-8 if a gradient can be all zero)")
           ->check(CLI::NonNegativeNumber),
-      app.add_option("--powersgd-seed", d.powersgd.random_seed, "powersgd: random_seed of Q"),
-      app.add_flag("--batch-tensors-with-same-shape", d.powersgd.batch_tensors_with_same_shape,
+      app.add_option("--powersgd-seed", ps.random_seed, "powersgd: random_seed of Q"),
+      app.add_flag("--batch-tensors-with-same-shape", ps.batch_tensors_with_same_shape,
                    "powersgd: compress same-shaped matrices in one batched matmul"),
-      app.add_option("--start-local-sgd-iter", d.post_local_sgd.start_local_sgd_iter,
-                     "post_local_sgd: global all-reduce for this many steps, then local")
+      app.add_option("--start-local-sgd-iter", pl.start_local_sgd_iter,
+                     "post_local_sgd: global all-reduce for this many steps, then local "
+                     "(required with post_local_sgd)")
           ->check(CLI::NonNegativeNumber),
-      app.add_option("--post-local-sgd-subgroup-size", d.post_local_sgd.subgroup_size,
+      app.add_option("--post-local-sgd-subgroup-size", pl.subgroup_size,
                      "post_local_sgd: ranks that still average gradients together (0: one node)")
           ->check(CLI::NonNegativeNumber),
-      app.add_flag("--no-post-local-gradient-allreduce", d.no_post_local_gradient_allreduce,
-                   "post_local_sgd: no gradient communication at all after the start"),
+      app.add_flag_callback("--no-post-local-gradient-allreduce",
+                            [&pl] { pl.post_local_gradient_allreduce = false; },
+                            "post_local_sgd: no gradient communication at all after the start"),
       app.add_option("--model-averaging-period", d.model_averaging_period,
-                     "post_local_sgd: average the parameters every N steps (after the start)")
+                     "post_local_sgd: average the parameters every N steps after the start "
+                     "(required with post_local_sgd)")
           ->check(CLI::NonNegativeNumber),
   };
-  app.add_option("--precision", a.precision,
+  app.add_option("--precision", t.precision,
                  "32-true (fp32); bf16-mixed (FSDP: fp32 master shards, bf16 all-gather/compute/"
                  "reduce-scatter; other strategies: CPU autocast); bf16-true (bf16 everything); "
                  "64-true; 16-mixed/16-true fail on CPU (no fp16 matmul)")
       ->check(CLI::IsMember(fsdp::Trainer::precision_names()));
-  app.add_option("--max-steps", a.max_steps, "optimizer steps to take (-1: until --max-epochs)")
+  app.add_option("--max-steps", t.max_steps, "optimizer steps to take (-1: until --max-epochs)")
       ->check(at_least_minus_one);
-  app.add_option("--max-epochs", a.max_epochs, "epochs (-1: unlimited; 1000 if --max-steps is -1 too)")
+  app.add_option("--max-epochs", t.max_epochs, "epochs (-1: unlimited; 1000 if --max-steps is -1 too)")
       ->check(at_least_minus_one);
-  app.add_option("--accumulate-grad-batches", a.accumulate_grad_batches,
+  app.add_option("--accumulate-grad-batches", t.accumulate_grad_batches,
                  "micro-batches per optimizer step (loss divided by it)")
       ->check(CLI::PositiveNumber);
-  app.add_option("--gradient-clip-val", a.gradient_clip_val, "clip to this global L2 norm (0: off)")
+  app.add_option("--gradient-clip-val", t.gradient_clip_val, "clip to this global L2 norm (0: off)")
       ->check(CLI::NonNegativeNumber);
-  app.add_option("--limit-train-batches", a.limit_train_batches,
+  app.add_option("--limit-train-batches", t.limit_train_batches,
                  "batches per epoch: <0 all, (0,1) fraction, >=1 count");
-  app.add_option("--limit-val-batches", a.limit_val_batches,
+  app.add_option("--limit-val-batches", t.limit_val_batches,
                  "validation batches: <0 all, 0 none, (0,1) fraction, >=1 count");
-  app.add_option("--val-check-interval", a.val_check_interval,
+  app.add_option("--val-check-interval", t.val_check_interval,
                  "validate every N training batches (>=1), a fraction of the epoch (0,1), or at epoch end (0)")
       ->check(CLI::NonNegativeNumber);
-  app.add_option("--log-every", a.log_every, "log_every_n_steps: CSV rows and non-terminal progress lines")
+  app.add_option("--log-every", t.log_every_n_steps, "log_every_n_steps: CSV rows and non-terminal progress lines")
       ->check(CLI::PositiveNumber);
-  app.add_option("--default-root-dir", a.default_root_dir, "CSV logs go to DIR/version_N/metrics.csv");
-  app.add_option("--backend", a.backend, "process group backend (env FSDP_BACKEND when auto)")
+  app.add_option("--default-root-dir", t.default_root_dir, "CSV logs go to DIR/version_N/metrics.csv");
+  app.add_option("--backend", t.process_group_backend, "process group backend (env FSDP_BACKEND when auto)")
       ->check(CLI::IsMember({"auto", "gloo", "mpi"}));
-  app.add_flag("--no-progress-bar", a.no_progress_bar, "disable the progress bar");
-  app.add_option("--seed", a.seed, "seed for the model init, data and sampler (same on every rank)");
+  app.add_flag_callback("--no-progress-bar", [&t] { t.enable_progress_bar = false; },
+                        "disable the progress bar");
+  app.add_option("--seed", t.seed, "seed for the model init, data and sampler (same on every rank)")
+      ->check(CLI::NonNegativeNumber);
   // Model
   app.add_option("--model", a.model, "a preset or custom")->check(CLI::IsMember(models));
   auto* o_nlayers = app.add_option("--nlayers", a.nlayers, "custom: encoder (and decoder) layers")
@@ -770,22 +732,22 @@ int main(int argc, char** argv) {
                  "write the micro-batches of the first --max-steps steps, every rank's, to this "
                  "safetensors file (for bench/peers/*.py) and exit without training");
   // Checkpoints
-  app.add_option("--checkpoint-dir", a.checkpoint_dir,
+  app.add_option("--checkpoint-dir", c.dirpath,
                  "save DIR/step-<k> every --save-every-n-steps steps (or --every-n-epochs "
                  "epochs), and DIR/last -> the newest");
-  app.add_option("--save-every-n-steps", a.save_every_n_steps, "checkpoint period in optimizer steps (0: off)")
+  app.add_option("--save-every-n-steps", c.every_n_train_steps, "checkpoint period in optimizer steps (0: off)")
       ->check(CLI::NonNegativeNumber);
-  app.add_option("--state-dict-type", a.state_dict_type, "checkpoint format: full | sharded")
+  app.add_option("--state-dict-type", t.state_dict_type, "checkpoint format: full | sharded")
       ->check(CLI::IsMember({"full", "sharded"}));
-  app.add_option("--every-n-epochs", a.every_n_epochs,
+  app.add_option("--every-n-epochs", c.every_n_epochs,
                  "also save at the end of every N epochs (default with --monitor and no "
                  "--save-every-n-steps: 1)")
       ->check(CLI::NonNegativeNumber);
-  app.add_option("--monitor", a.monitor,
+  app.add_option("--monitor", c.monitor,
                  "rank checkpoints by this logged metric (train_loss, val_loss) for --save-top-k");
-  app.add_option("--mode", a.mode, "min | max: which --monitor values are better")
+  app.add_option("--mode", c.mode, "min | max: which --monitor values are better")
       ->check(CLI::IsMember({"min", "max"}));
-  app.add_option("--save-top-k", a.save_top_k,
+  app.add_option("--save-top-k", c.save_top_k,
                  "keep the K best checkpoints by --monitor (-1: all; 1 without --monitor: the "
                  "newest); others are deleted once a better one is saved")
       ->check(CLI::Range(int64_t{-1}, std::numeric_limits<int64_t>::max()));
@@ -826,7 +788,28 @@ int main(int argc, char** argv) {
     spec.custom.ninp = a.ninp;
     spec.custom.nhead = a.nhead;
   }
-  if (a.max_steps < 0 && a.max_epochs < 0 && a.data == "synthetic" && a.num_tokens == 0) {
+  for (auto* o : a.ddp_flags) {
+    if (o->count() > 0 && !a.is_ddp()) {
+      std::cerr << "fsdp-train: error: " << o->get_name() << " applies to --strategy ddp (got "
+                << "--strategy " << a.strategy << " with " << a.world() << " rank(s))"
+                << std::endl;
+      return 2;
+    }
+  }
+  if (a.ddp_comm_hook == "post_local_sgd" &&
+      (pl.start_local_sgd_iter < 0 || d.model_averaging_period == 0)) {
+    std::cerr << "fsdp-train: error: --ddp-comm-hook post_local_sgd needs --start-local-sgd-iter "
+                 "N (global all-reduce for the first N steps; PyTorch has no default) and "
+                 "--model-averaging-period P (average the parameters every P steps after that)"
+              << std::endl;
+    return 2;
+  }
+  if (a.ddp_comm_hook != "post_local_sgd" && d.model_averaging_period > 0) {
+    std::cerr << "fsdp-train: error: --model-averaging-period applies to --ddp-comm-hook "
+                 "post_local_sgd (got --ddp-comm-hook " << a.ddp_comm_hook << ")" << std::endl;
+    return 2;
+  }
+  if (t.max_steps < 0 && t.max_epochs < 0 && a.data == "synthetic" && a.num_tokens == 0) {
     // Lightning would run 1000 epochs; say so rather than surprise.
     std::cerr << "fsdp-train: note: neither --max-steps nor --max-epochs set: up to 1000 epochs"
               << std::endl;

@@ -15,7 +15,7 @@
 #include "bench.h"
 
 #include <fsdp/fsdp.h>
-#include <shard/fsdp_state.h>
+#include <shard/fsdp_strategy_impl.h>
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -85,7 +85,7 @@ int run_init(const std::vector<std::string>& args) {
       strategy.setup_module(lm);
       pg->barrier();
       held = fsdp::memory_stats().current_bytes - base;
-      for (auto& unit : strategy.state().units()) largest = std::max(largest, unit->unsharded_bytes());
+      for (auto& unit : fsdp::detail::state_of(strategy).units()) largest = std::max(largest, unit->unsharded_bytes());
       deferred_units = strategy.num_deferred_units();
     }
     const double secs =

@@ -32,6 +32,7 @@
 //   build/bin/train_transformer                       # 2 ranks, tiny model, synthetic data
 //   build/bin/train_transformer --model transformer-1b --data-dir data/wikitext-2 --max-steps 5
 #include <fsdp/fsdp.h>
+#include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
 

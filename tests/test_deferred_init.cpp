@@ -8,7 +8,7 @@
 #include "fsdp/memory.h"
 #include "fsdp/models.h"
 #include "fsdp/trainer.h"
-#include "shard/fsdp_state.h"
+#include "shard/fsdp_strategy_impl.h"
 #include "testing.h"
 
 #include <gtest/gtest.h>
@@ -137,7 +137,7 @@ TEST(DeferredInit, SizeAndPredicatePoliciesPickTheEagerUnits) {
         s->connect(fsdp::world_group(), strategy->launch_info());
         fsdp::configure_model_with(*s, lm);
         s->setup_module(lm);
-        for (auto& unit : s->state().units()) names[deferred].push_back(unit->name());
+        for (auto& unit : fsdp::detail::state_of(*s).units()) names[deferred].push_back(unit->name());
         if (deferred) {
           // Every unit inside the layers is deferred; only modules above them (e.g. the whole
           // model, chosen for its leftover embedding/output elements) are sharded in setup.
@@ -203,7 +203,7 @@ TEST(DeferredInit, PolicyUnitsRestoredWhenTheModelWrapsManually) {
     auto strategy = fsdp_strategy("transformer-tiny", fsdp::ShardingStrategy::kFullShard, true);
     fsdp::configure_model_with(*strategy, lm);
     strategy->setup_module(lm);
-    ASSERT_EQ(strategy->state().units().size(), 2u);  // root + encoder.layers.1
+    ASSERT_EQ(fsdp::detail::state_of(*strategy).units().size(), 2u);  // root + encoder.layers.1
     EXPECT_EQ(strategy->num_deferred_units(), 1);
     for (const auto& [name, value] : strategy->gather_full_params()) {
       EXPECT_TRUE(at::equal(value, reference.at(name))) << name;
@@ -250,7 +250,7 @@ TEST(DeferredInit, FreezingAShardedLayerAfterItWasBuiltIsHonoured) {
     strategy->setup_module(lm);
     EXPECT_EQ(strategy->num_deferred_units(), 3);
     int frozen = 0;
-    for (auto* p : strategy->state().all_params()) {
+    for (auto* p : fsdp::detail::state_of(*strategy).all_params()) {
       const bool in_layer0 = p->fqn().find("encoder.layers.0.") != std::string::npos;
       EXPECT_EQ(p->requires_grad(), !in_layer0) << p->fqn();
       EXPECT_EQ(p->sharded().requires_grad(), !in_layer0) << p->fqn();
@@ -286,7 +286,7 @@ TEST(DeferredInit, SetupPeakIsShardedStatePlusLargestUnit) {
         strategy->setup_module(lm);
         peaks[deferred] = fsdp::memory_stats().peak_bytes - base;
         sharded = largest = full = 0;
-        for (auto& unit : strategy->state().units()) {
+        for (auto& unit : fsdp::detail::state_of(*strategy).units()) {
           int64_t unit_bytes = 0;
           for (auto& p : unit->params()) {
             sharded += p->shard_nbytes();

@@ -3,10 +3,14 @@
 #include "fully_shard_common.h"
 #include "shard/fsdp_param.h"
 #include "shard/fsdp_param_group.h"
-#include "shard/fsdp_state.h"
+#include "shard/fsdp_strategy_impl.h"
+#include "comm/local_groups.h"
 #include "shard/collectives.h"
 
+#include <ATen/record_function.h>
 #include <gtest/gtest.h>
+
+#include <algorithm>
 
 using fsdp::testing::LoopConfig;
 using fsdp::testing::TinyLM;
@@ -41,10 +45,18 @@ void check_round_trip(std::vector<int64_t> shape, int world) {
       // Copy-out from the concatenation restores the full value through P.
       at::Tensor output = at::cat(shards);
       fp.alloc_unsharded();
-      fp.copy_out(output.view({world, fp.shard_numel()}));
+      fsdp::detail::copy_out(fp, output.view({world, fp.shard_numel()}));
       EXPECT_TRUE(at::equal(p.detach(), original)) << "shape " << original.sizes() << " world " << world;
     }
   }
+}
+
+// Names of the FSDP profiler ranges started on this thread, in order.
+std::vector<std::string>* g_fsdp_ranges = nullptr;
+std::unique_ptr<at::ObserverContext> record_fsdp_range(const at::RecordFunction& fn) {
+  const std::string name = fn.name();
+  if (g_fsdp_ranges && name.rfind("FSDP::", 0) == 0) g_fsdp_ranges->push_back(name);
+  return nullptr;
 }
 
 }  // namespace
@@ -66,7 +78,7 @@ TEST(FullyShardEngine, GradCopyInIsRankMajorAndPadded) {
   fsdp::detail::FsdpParam fp(p, {&m, "w", "w"}, 0, 3);
   p.mutable_grad() = at::arange(10, at::kFloat).view({5, 2});
   at::Tensor buf = at::zeros({3, fp.shard_numel()});
-  fp.copy_grad_in(buf);
+  fsdp::detail::copy_grad_in(fp, buf);
   // R = 2 rows per rank: rank 0 rows 0-1, rank 1 rows 2-3, rank 2 row 4 + one zero row.
   EXPECT_TRUE(at::equal(buf[0], at::tensor({0.f, 1.f, 2.f, 3.f})));
   EXPECT_TRUE(at::equal(buf[1], at::tensor({4.f, 5.f, 6.f, 7.f})));
@@ -86,10 +98,10 @@ TEST(FullyShardEngine, WrongStateTransitionTripsInternalAssert) {
   EXPECT_EQ(root.sharded_state(), fsdp::detail::ShardedState::kUnsharded);
   // kUnsharded -> kUnsharded
   EXPECT_THROW(root.transition(fsdp::detail::ShardedState::kUnsharded), c10::Error);
-  root.reshard(fsdp::detail::ShardedState::kShardedPostForward);
-  // kShardedPostForward -> kShardedPostForward
-  EXPECT_THROW(root.transition(fsdp::detail::ShardedState::kShardedPostForward), c10::Error);
-  root.reshard_state_to_rest();
+  root.reshard(fsdp::detail::ShardedState::kReshardedAfterForward);
+  // kReshardedAfterForward -> kReshardedAfterForward
+  EXPECT_THROW(root.transition(fsdp::detail::ShardedState::kReshardedAfterForward), c10::Error);
+  root.mark_at_rest();
   EXPECT_EQ(root.sharded_state(), fsdp::detail::ShardedState::kSharded);
 }
 
@@ -146,7 +158,7 @@ TEST(FullyShardEngine, WrapPoliciesSelectUnits) {
     fsdp::configure_model_with(strategy, lm);
     strategy.setup_module(lm);
     std::vector<std::string> names;
-    for (auto& u : strategy.state().units()) names.push_back(u->name());
+    for (auto& u : fsdp::detail::state_of(strategy).units()) names.push_back(u->name());
     return names;
   };
   auto types = count_units(fsdp::AutoWrapPolicy::of_types(fsdp::demos::layer_types("transformer-tiny")),
@@ -179,8 +191,8 @@ TEST(FullyShardEngine, ManualWrapIsUsedAndPolicyIgnored) {
   strategy.connect(nullptr, {});
   fsdp::configure_model_with(strategy, lm);
   strategy.setup_module(lm);
-  ASSERT_EQ(strategy.state().units().size(), 2u);
-  EXPECT_NE(strategy.state().units()[1]->name().find("encoder.layers.1"), std::string::npos);
+  ASSERT_EQ(fsdp::detail::state_of(strategy).units().size(), 2u);
+  EXPECT_NE(fsdp::detail::state_of(strategy).units()[1]->name().find("encoder.layers.1"), std::string::npos);
 
   // Outside an FSDP strategy, wrap is a no-op.
   TinyLM other;
@@ -249,4 +261,55 @@ TEST(FullyShardEngine, WorldOneMatchesPlainTraining) {
     fsdp::testing::expect_losses_close(got, want, 1e-6);
     fsdp::testing::expect_params_close(strategy.gather_full_params(), ref, 1e-6);
   }
+}
+
+// A trace of one step shows the hooks and collectives as profiler ranges (RECORD_FUNCTION), in
+// the order of docs/design.md "One FULL_SHARD step".
+TEST(FullyShardEngine, StepShowsAsProfilerRanges) {
+  TinyLM lm;
+  fsdp::FSDPOptions opts;
+  opts.auto_wrap_policy = fsdp::AutoWrapPolicy::of_types(fsdp::demos::layer_types("transformer-tiny"));
+  // World 1 with a bf16 param_dtype: P is not S, so the units really gather (a local cast
+  // through the one-rank group) and reduce-scatter.
+  opts.mixed_precision = fsdp::MixedPrecisionPolicy{at::kBFloat16, at::kFloat, std::nullopt};
+  fsdp::FSDPStrategy strategy(opts);
+  strategy.connect(nullptr, {});
+  LoopConfig cfg;
+  cfg.steps = 1;
+  std::vector<std::string> ranges;
+  g_fsdp_ranges = &ranges;
+  const auto handle = at::addThreadLocalCallback(
+      at::RecordFunctionCallback(record_fsdp_range).scopes({at::RecordScope::FUNCTION}));
+  fsdp::testing::train_with(strategy, lm, cfg);
+  at::removeCallback(handle);
+  g_fsdp_ranges = nullptr;
+
+  auto first = [&](const std::string& name) {
+    return std::find(ranges.begin(), ranges.end(), name) - ranges.begin();
+  };
+  auto last = [&](const std::string& name) {
+    return ranges.rend() - std::find(ranges.rbegin(), ranges.rend(), name) - 1;
+  };
+  auto count = [&](const std::string& name) { return std::count(ranges.begin(), ranges.end(), name); };
+  const int64_t n = static_cast<int64_t>(ranges.size());
+  for (const char* name : {"FSDP::root_pre_forward", "FSDP::pre_forward", "FSDP::post_forward",
+                           "FSDP::backward", "FSDP::pre_backward", "FSDP::post_backward",
+                           "FSDP::root_post_backward", "FSDP::finish_step", "FSDP::all_gather",
+                           "FSDP::all_gather_copy_out", "FSDP::reduce_scatter",
+                           "FSDP::reduce_scatter_copy_out"}) {
+    EXPECT_LT(first(name), n) << name << " missing from the trace";
+  }
+  ASSERT_FALSE(ranges.empty());
+  EXPECT_EQ(ranges.front(), "FSDP::root_pre_forward");
+  // Four units (2 encoder + 2 decoder layers): each runs its forward and backward hooks once.
+  EXPECT_EQ(count("FSDP::pre_forward"), 4);
+  EXPECT_EQ(count("FSDP::post_forward"), 4);
+  EXPECT_EQ(count("FSDP::pre_backward"), 4);
+  EXPECT_LT(first("FSDP::pre_forward"), first("FSDP::post_forward"));
+  EXPECT_LT(last("FSDP::post_forward"), first("FSDP::backward"));
+  EXPECT_LT(first("FSDP::backward"), first("FSDP::pre_backward"));
+  EXPECT_LT(first("FSDP::pre_backward"), first("FSDP::post_backward"));
+  EXPECT_LT(first("FSDP::post_backward"), first("FSDP::reduce_scatter"));
+  EXPECT_LT(last("FSDP::pre_backward"), first("FSDP::root_post_backward"));
+  EXPECT_LT(first("FSDP::root_post_backward"), first("FSDP::finish_step"));
 }

@@ -16,7 +16,7 @@
 //                                                            forward+backward minus its params)
 #include "fully_shard_common.h"
 #include "fsdp/memory.h"
-#include "shard/fsdp_state.h"
+#include "shard/fsdp_strategy_impl.h"
 #include "testing.h"
 
 #include <chrono>
@@ -56,7 +56,7 @@ Measured measure(fsdp::ShardingStrategy ss) {
     strategy.connect(fsdp::world_group(), {});
     fsdp::configure_model_with(strategy, lm);
     strategy.setup_module(lm);
-    for (auto& unit : strategy.state().units()) {
+    for (auto& unit : fsdp::detail::state_of(strategy).units()) {
       int64_t padded = 0, full = 0;
       for (auto& p : unit->params()) {
         padded += p->padded_numel();

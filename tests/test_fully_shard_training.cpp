@@ -3,7 +3,7 @@
 // parameters within 1e-5 after 10 steps. Plus the cases that break naive versions: clipping,
 // accumulation, frozen parameters / inputs without grad, a unit called twice, prefetch modes.
 #include "fully_shard_common.h"
-#include "shard/fsdp_state.h"
+#include "shard/fsdp_strategy_impl.h"
 #include "testing.h"
 
 #include <gtest/gtest.h>
@@ -118,9 +118,9 @@ TEST(FullyShardTraining, FrozenParametersAndInputsWithoutGradWorld3) {
     strategy.connect(fsdp::world_group(), {});
     fsdp::configure_model_with(strategy, probe);
     strategy.setup_module(probe);
-    auto reduce_bytes_before = strategy.state().shard_group()->counters().reduce_scatter_bytes;
+    auto reduce_bytes_before = fsdp::detail::state_of(strategy).shard_group()->counters().reduce_scatter_bytes;
     int64_t trainable_shard = 0, frozen_shard = 0;
-    for (auto* p : strategy.state().all_params()) {
+    for (auto* p : fsdp::detail::state_of(strategy).all_params()) {
       (p->requires_grad() ? trainable_shard : frozen_shard) += p->padded_numel();
       EXPECT_EQ(p->sharded().requires_grad(), p->requires_grad()) << p->fqn();
     }
@@ -131,9 +131,9 @@ TEST(FullyShardTraining, FrozenParametersAndInputsWithoutGradWorld3) {
     auto loss = probe.training_step(fsdp::testing::global_batch(0, 3), 0);
     strategy.backward(loss);
     strategy.post_backward(probe, true);
-    EXPECT_EQ(strategy.state().shard_group()->counters().reduce_scatter_bytes - reduce_bytes_before,
+    EXPECT_EQ(fsdp::detail::state_of(strategy).shard_group()->counters().reduce_scatter_bytes - reduce_bytes_before,
               trainable_shard * 4);
-    for (auto* p : strategy.state().all_params()) {
+    for (auto* p : fsdp::detail::state_of(strategy).all_params()) {
       EXPECT_EQ(p->sharded().grad().defined(), p->requires_grad()) << p->fqn();
     }
   });
@@ -167,9 +167,9 @@ TEST(FullyShardTraining, PrefetchIsIssuedAndLimitedWorld2) {
       LoopConfig cfg;
       cfg.steps = 3;
       fsdp::testing::train_with(strategy, lm, cfg);
-      EXPECT_EQ(strategy.state().forward_order().size(), 4u);  // 2 encoder + 2 decoder layers
-      return std::make_pair(strategy.state().num_prefetches(),
-                            strategy.state().num_prefetches_limited());
+      EXPECT_EQ(fsdp::detail::state_of(strategy).forward_order().size(), 4u);  // 2 encoder + 2 decoder layers
+      return std::make_pair(fsdp::detail::state_of(strategy).num_prefetches(),
+                            fsdp::detail::state_of(strategy).num_prefetches_limited());
     };
     auto o = layer_wrapped(fsdp::ShardingStrategy::kFullShard);
     o.backward_prefetch = fsdp::BackwardPrefetch::kNone;

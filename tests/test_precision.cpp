@@ -4,7 +4,7 @@
 // wins, the fp16 error) in one process; the one precision parser.
 #include "fully_shard_common.h"
 #include "fsdp/precision.h"
-#include "shard/fsdp_state.h"
+#include "shard/fsdp_strategy_impl.h"
 #include "testing.h"
 
 #include <gtest/gtest.h>
@@ -87,7 +87,7 @@ void bf16_mixed_tracks_fp32(int world_size) {
       inspected = true;
       // Unsharded parameters (what computes) are bf16 and hold no memory now; the sharded
       // parameters and their gradients are fp32.
-      for (auto* p : bf16.state().all_params()) {
+      for (auto* p : fsdp::detail::state_of(bf16).all_params()) {
         EXPECT_EQ(p->unsharded().scalar_type(), at::kBFloat16) << p->fqn();
         EXPECT_EQ(p->sharded().scalar_type(), at::kFloat) << p->fqn();
         if (p->requires_grad()) {
@@ -161,7 +161,7 @@ TEST(Precision, Bf16MixedOtherStrategiesTrackFp32World2) {
         EXPECT_NEAR(got.losses[s], ref.losses[s], kBf16LossTolerance) << "step " << s;
       }
       EXPECT_NE(got.losses.back(), ref.losses.back()) << "bf16 must round differently";
-      for (auto* p : strategy.state().all_params()) {
+      for (auto* p : fsdp::detail::state_of(strategy).all_params()) {
         EXPECT_EQ(p->unsharded().scalar_type(), at::kBFloat16) << p->fqn();
         EXPECT_EQ(p->sharded().scalar_type(), at::kFloat) << p->fqn();
       }
@@ -295,7 +295,7 @@ TEST(Precision, Bf16MixedTrainerTracksFp32UnderFsdpAndSingle) {
       ASSERT_NE(fsdp, nullptr);
       ASSERT_TRUE(fsdp->options().mixed_precision.has_value());
       EXPECT_EQ(fsdp->options().mixed_precision->param_dtype, at::kBFloat16);
-      for (auto* p : fsdp->state().all_params()) {
+      for (auto* p : fsdp::detail::state_of(*fsdp).all_params()) {
         EXPECT_EQ(p->unsharded().scalar_type(), at::kBFloat16) << p->fqn();
       }
     }
@@ -316,7 +316,7 @@ TEST(Precision, ExplicitPolicyWinsOverTrainerBf16Mixed) {
   ASSERT_TRUE(strategy->options().mixed_precision.has_value());
   EXPECT_EQ(strategy->options().mixed_precision->reduce_dtype, at::kFloat);
   EXPECT_FALSE(strategy->options().mixed_precision->buffer_dtype.has_value());
-  for (auto& unit : strategy->state().units()) {
+  for (auto& unit : fsdp::detail::state_of(*strategy).units()) {
     if (unit->params().empty()) continue;
     EXPECT_EQ(unit->compute_dtype(), at::kBFloat16) << unit->name();
     EXPECT_EQ(unit->reduce_dtype(), at::kFloat) << unit->name();

@@ -42,6 +42,11 @@ struct CommCounters {
   int64_t all_to_all_bytes = 0;
   int64_t calls = 0;
 };
+// Every op's bytes together.
+inline int64_t total_bytes(const CommCounters& c) {
+  return c.all_gather_bytes + c.reduce_scatter_bytes + c.all_reduce_bytes + c.broadcast_bytes +
+         c.all_to_all_bytes;
+}
 
 class ProcessGroup {
  public:
@@ -49,7 +54,8 @@ class ProcessGroup {
 
   virtual int rank() const = 0;
   virtual int size() const = 0;
-  virtual std::string backend() const = 0;  // "gloo" | "mpi"
+  // "gloo" | "mpi"; groups without peers: "self" (one rank), "shape-only" (planning)
+  virtual std::string backend() const = 0;
   // Ranks of this group in the world group, index = rank in this group.
   virtual const std::vector<int>& world_ranks() const = 0;
 

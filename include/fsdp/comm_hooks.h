@@ -128,6 +128,9 @@ class CommHookState {
   // are then not meaningful and a state should keep only its counters.
   virtual CommHookStateDict state_dict() const { return {}; }
   virtual void load_state_dict(const CommHookStateDict& state, bool same_world) {}
+  // Groups besides process_group that the hook communicates on (DDPStrategy::comm_bytes counts
+  // them).
+  virtual std::vector<ProcessGroupPtr> other_groups() const { return {}; }
 
   ProcessGroupPtr process_group;
 };
@@ -244,6 +247,7 @@ class PostLocalSGDState : public CommHookState {
   // Creates the subgroups when options().subgroup is null (collective over the world).
   void setup(const ProcessGroupPtr& world, const LaunchInfo& launch) override;
   const ProcessGroupPtr& subgroup() const { return subgroup_; }
+  std::vector<ProcessGroupPtr> other_groups() const override;
   // Counts synchronized backward passes up to start_local_sgd_iter (then stays there).
   int64_t iter() const { return iter_; }
   void maybe_increase_iter(bool bucket_is_last);

@@ -88,10 +88,6 @@ struct DDPMemoryEstimate {
 };
 DDPMemoryEstimate estimate_ddp_memory(const torch::nn::Module& module, const DDPOptions& options);
 
-namespace detail {
-class Reducer;
-}
-
 class DDPStrategy : public Strategy {
  public:
   explicit DDPStrategy(DDPOptions options = {});
@@ -131,6 +127,9 @@ class DDPStrategy : public Strategy {
   // DIR/ddp_comm_state-<rank>-of-<world>.safetensors. See docs/ddp_comm_hooks.md.
   void save_extra_state(const std::string& dir) override;
   void load_extra_state(const std::string& dir) override;
+  // The world group's bytes plus those of the comm hook state's own groups (post-local SGD's
+  // subgroup).
+  int64_t comm_bytes() const override;
 
   // The state every hook call gets (options().comm_state, or the default one made at setup).
   const std::shared_ptr<CommHookState>& comm_state() const { return comm_state_; }
@@ -154,8 +153,9 @@ class DDPStrategy : public Strategy {
   int64_t last_held_buckets() const;
 
  private:
+  struct Reducer;  // the bucketed gradient reducer (src/ddp/reducer.h)
   DDPOptions options_;
-  std::unique_ptr<detail::Reducer> reducer_;
+  std::unique_ptr<Reducer> reducer_;
   torch::nn::Module* module_ = nullptr;
   std::vector<at::Tensor> buffers_;  // module buffers, broadcast before synchronized forwards
   std::shared_ptr<CommHookState> comm_state_;

@@ -17,5 +17,7 @@
 #include "fsdp/models.h"
 #include "fsdp/nn.h"
 #include "fsdp/precision.h"
+#include "fsdp/single_strategy.h"
 #include "fsdp/strategy.h"
+#include "fsdp/strategy_registry.h"
 #include "fsdp/trainer.h"

@@ -24,6 +24,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <utility>
 #include <memory>
 #include <optional>
 #include <string>
@@ -117,11 +118,6 @@ struct FSDPOptions {
   std::string state_dict_type = "full";                  // "full" | "sharded"
 };
 
-namespace detail {
-class FsdpState;
-class DeferredInit;
-}
-
 // Per-rank model-state bytes of a configuration (fp32 parameters, fp32 gradients and two fp32
 // Adam moments per trainable element), as FSDPStrategy computes them for the memory budget.
 // Under a MixedPrecisionPolicy the shards stay fp32 and the unsharded units count in
@@ -145,13 +141,12 @@ class FSDPStrategy : public Strategy {
   std::string name() const override { return name_; }
   void set_name(std::string name) { name_ = std::move(name); }
   const FSDPOptions& options() const { return options_; }
-  // Used by the Trainer for precision "bf16-mixed" (before setup_module); an explicit
-  // options.mixed_precision is kept (explicit wins). Returns the policy in effect.
-  MixedPrecisionPolicy apply_default_mixed_precision(const MixedPrecisionPolicy& policy);
 
-  void connect(ProcessGroupPtr world, const LaunchInfo& launch) override;
   void enter_configure_model() override;
   void exit_configure_model() override;
+  // "bf16-mixed" becomes MixedPrecisionPolicy{bf16, bf16, bf16} unless options.mixed_precision
+  // is set (explicit wins); the other precisions are left to the Trainer.
+  bool connect_precision(Precision precision) override;
   // Builds the units (manual wraps, else the auto-wrap policy), checks the memory budget,
   // shards every parameter and installs the hooks.
   void setup_module(LightningModule& module) override;
@@ -162,25 +157,31 @@ class FSDPStrategy : public Strategy {
   double clip_grad_norm(LightningModule& module, double max_norm) override;
   // Frees the sharded gradients (set_to_none).
   void zero_grad(torch::optim::Optimizer& optimizer) override;
+  // Full shapes of the set-up model (tied parameters once), also for units sharded during
+  // configure_model; `module` is not needed.
+  std::pair<int64_t, int64_t> parameter_counts(torch::nn::Module& module) override;
+  // Every parameter split over the shard group, with its full shape and this rank's rows.
+  LocalShards local_shards() override;
 
   // Registered by fsdp::wrap during configure_model.
   void mark_unit(fsdp::nn::Module& module);
-  bool has_manual_wraps() const { return !manual_units_.empty(); }
+  bool has_manual_wraps() const;
 
-  // --- introspection for tests and tools (valid after setup_module).
-  detail::FsdpState& state();
+  // --- introspection for tests and tools (valid after setup_module or plan_module).
   FSDPMemoryEstimate memory_estimate() const;
   // Full parameter values by FQN (collective over the world: every rank calls it).
   std::vector<std::pair<std::string, at::Tensor>> gather_full_params();
-
-  // (all, trainable) parameter elements of the set-up model, full shapes (tied counted once).
-  std::pair<int64_t, int64_t> parameter_counts();
   // Units sharded during configure_model by deferred initialization (0 when it was off).
-  int num_deferred_units() const { return num_deferred_units_; }
+  int num_deferred_units() const;
   // Builds the units of `module` (parameters on any device, e.g. meta tensors) as for a world
   // of `world_size` ranks, `local_world_size` per node, without process groups, sharding or
   // allocation: memory_estimate() is valid afterwards. For fsdp::estimate_fsdp_memory.
   void plan_module(torch::nn::Module& module, int world_size, int local_world_size);
+
+  // The engine behind the strategy (its units and parameters; src/shard/fsdp_strategy_impl.h),
+  // for the engine's own tests and tools.
+  struct Impl;
+  Impl& impl() { return *impl_; }
 
  private:
   // setup_module: FSDPOptions::activation_checkpointing_policy, unless the model applied its own.
@@ -188,17 +189,7 @@ class FSDPStrategy : public Strategy {
 
   FSDPOptions options_;
   std::string name_ = "fsdp";
-  std::vector<fsdp::nn::Module*> manual_units_;
-  std::unique_ptr<detail::FsdpState> state_;
-
-  // Deferred initialization (src/shard/deferred_init.cpp): the state that receives units
-  // sharded while configure_model runs, and the observer that shards them.
-  bool deferred_init_applies() const;
-  void begin_deferred_init();
-  void end_deferred_init();
-  std::unique_ptr<detail::FsdpState> deferred_state_;
-  std::unique_ptr<detail::DeferredInit> deferred_;
-  int num_deferred_units_ = 0;
+  std::unique_ptr<Impl> impl_;
 };
 
 // The one parser of FSDP strategy names: "fsdp" (FULL_SHARD), "fsdp_full_shard",
@@ -207,7 +198,6 @@ class FSDPStrategy : public Strategy {
 // options.sharding_strategy; it is an error when options already asks for a different
 // non-default one.
 std::vector<std::string> fsdp_strategy_names();
-const char* fsdp_strategy_help(const std::string& name);
 std::shared_ptr<FSDPStrategy> make_fsdp_strategy(const std::string& name, FSDPOptions options = {});
 
 // Manual wrapping inside configure_model: marks `module` as a unit when the active strategy is

@@ -16,21 +16,64 @@
 //     clip_grad_norm(module, max)             global norm over all ranks' gradients, exact
 //     optimizer_step(optimizer)
 //     zero_grad(optimizer)
+//
+// Besides, the Trainer and the checkpointer ask every strategy the same questions through this
+// interface and never look at a concrete strategy: connect_precision (who carries out the
+// precision), parameter_counts (full-shape counts) and local_shards (how this rank holds the
+// parameters, for checkpoints).
 #pragma once
 
 #include "fsdp/comm.h"
 #include "fsdp/launcher.h"
+#include "fsdp/precision.h"
 
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
+#include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace fsdp {
 
 class LightningModule;
+
+// --- Dim-0 sharding, as the checkpointer sees it.
+//
+// A tensor split over a shard group of W ranks is viewed as dim0 rows (0-d and 1-d tensors:
+// numel rows of one element). Every rank holds shard_rows = ceil(dim0 / W) rows; rank r holds
+// rows [r * shard_rows, (r + 1) * shard_rows) clipped to dim0, and the rows past dim0 are zero
+// padding. This is FSDP's layout (Note [Sharded and unsharded parameters] in
+// src/shard/fsdp_param.h) and the checkpoint's (Note [Checkpoint layout] in src/ckpt/layout.h).
+struct RowRange {
+  int64_t begin = 0;
+  int64_t end = 0;  // exclusive
+  int64_t size() const { return end - begin; }
+};
+// The rows of a tensor of `dim0` rows that shard rank `rank` holds (empty for ranks past the end).
+RowRange shard_row_range(int64_t dim0, int64_t shard_rows, int rank);
+
+// One parameter of which this rank holds a dim-0 shard: what FSDP2 hands distributed
+// checkpointing as a DTensor with placement Shard(0), without showing it its internals.
+struct LocalShard {
+  at::Tensor local;                 // the registered parameter: shard_rows rows (padding included)
+  std::vector<int64_t> full_shape;  // the parameter's full shape
+  int64_t shard_rows = 0;           // rows every rank holds
+  RowRange rows;                    // the real (unpadded) rows this rank holds
+};
+
+// How this rank holds the model's parameters.
+struct LocalShards {
+  // The ranks a sharded parameter is split over; null when nothing is split.
+  ProcessGroupPtr shard_group;
+  // Which copy of the (sharded) model state this rank belongs to: ranks with replica_rank 0
+  // write checkpoints, the others hold the same values (DDP and single: every rank is a copy).
+  int replica_rank = 0;
+  // The sharded parameters; every other parameter and buffer is held whole by every rank.
+  std::vector<LocalShard> params;
+};
 
 class Strategy {
  public:
@@ -46,6 +89,12 @@ class Strategy {
   // Active while configure_model runs (fsdp::wrap() asks the active strategy what to do).
   virtual void enter_configure_model() {}
   virtual void exit_configure_model() {}
+
+  // The Trainer's precision, before configure_model. Returns true when the strategy carries it
+  // out itself (FSDP: "bf16-mixed" becomes its MixedPrecisionPolicy); false leaves it to the
+  // Trainer ("bf16-mixed": CPU autocast around the steps; "*-true": the model is built in that
+  // dtype).
+  virtual bool connect_precision(Precision precision) { return false; }
 
   virtual void setup_module(LightningModule& module) = 0;
   virtual void setup_optimizer(torch::optim::Optimizer& optimizer) {}
@@ -73,6 +122,17 @@ class Strategy {
   // Reduces a metric over the world (for log(..., sync_dist) and the global mean loss).
   virtual at::Tensor reduce(const at::Tensor& value, ReduceOp op);
   virtual void barrier();
+  // Bytes this rank has passed to collectives so far, summed over the process groups the
+  // strategy communicates on (CommCounters, input bytes per rank): the world group, plus DDP's
+  // comm-hook subgroups. Benchmarks difference it per step.
+  virtual int64_t comm_bytes() const;
+
+  // After setup_module: (all, trainable) parameter elements of the model at their full shapes
+  // (default: module.parameters() as they are; FSDP counts its full parameters, not shards).
+  virtual std::pair<int64_t, int64_t> parameter_counts(torch::nn::Module& module);
+  // After setup_module: how this rank holds the parameters (default: every rank holds them
+  // whole and is its own copy of the model state).
+  virtual LocalShards local_shards();
 
   const ProcessGroupPtr& world() const { return world_; }
   int rank() const { return world_ ? world_->rank() : 0; }
@@ -85,12 +145,11 @@ class Strategy {
 };
 using StrategyPtr = std::shared_ptr<Strategy>;
 
-// The one parser of strategy names: "single", "ddp", "fsdp", ... An unknown name is an error
-// that lists the valid ones. Implemented in src/train/strategy_registry.cpp.
-StrategyPtr make_strategy(const std::string& name);
-std::vector<std::string> strategy_names();
-
 // The strategy whose configure_model context is active (nullptr outside configure_model).
 Strategy* active_strategy();
+
+// Strategy-driven configure_model: active_strategy() returns `strategy` while
+// strategy.enter_configure_model(), module.configure_model() and exit_configure_model() run.
+void configure_model_with(Strategy& strategy, LightningModule& module);
 
 }  // namespace fsdp

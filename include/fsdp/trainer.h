@@ -35,6 +35,7 @@
 #include "fsdp/launcher.h"
 #include "fsdp/lightning.h"
 #include "fsdp/strategy.h"
+#include "fsdp/strategy_registry.h"
 
 #include <cstdint>
 #include <map>
@@ -151,10 +152,6 @@ struct FitResults {
   std::string log_dir;             // the CSV logger's version_N directory ("" without)
 };
 
-// Strategy-driven configure_model: active_strategy() returns `strategy` while
-// strategy.enter_configure_model(), module.configure_model() and exit_configure_model() run.
-void configure_model_with(Strategy& strategy, LightningModule& module);
-
 class Trainer {
  public:
   // Launches the ranks (fsdp::launch), installs the tracking allocator, creates the world
@@ -214,17 +211,28 @@ class Trainer {
   static std::vector<std::string> accelerator_names();
 
  private:
-  struct Impl;
-  void fit_impl(LightningModule& module, DataLoader& train_loader, DataLoader* val_loader);
-  void setup_model(LightningModule& module, bool for_training);
+  // configure_model under the strategy, precision, setup_module (once per module).
+  void setup_model(LightningModule& module);
   std::map<std::string, double> evaluate(LightningModule& module, DataLoader& loader,
                                          const std::string& stage);
+
+  // The fit loop, in the step's parts (src/train/trainer.cpp).
+  struct FitLoop;
+  void fit_impl(LightningModule& module, DataLoader& train_loader, DataLoader* val_loader);
+  std::unique_ptr<FitLoop> setup_fit(LightningModule& module, DataLoader& train_loader,
+                                     DataLoader* val_loader);
+  void train_micro_batch(FitLoop& loop, const Batch& batch, int64_t batch_idx, bool boundary);
+  void optimizer_step(FitLoop& loop);
+  void report_step(FitLoop& loop);
+  void validate_during_fit(FitLoop& loop);
+  void finish_fit(FitLoop& loop);
 
   TrainerOptions options_;
   LaunchInfo launch_;
   ProcessGroupPtr world_;
   StrategyPtr strategy_;
   LightningModule* configured_module_ = nullptr;  // configure_model + setup_module done
+  bool cpu_autocast_ = false;  // bf16-mixed that the strategy leaves to the Trainer
   int64_t global_step_ = 0;
   int64_t current_epoch_ = 0;
   FitResults results_;
@@ -238,15 +246,6 @@ class Trainer {
   int64_t next_batch_ = 0;
   std::map<std::string, double> callback_metrics_;
   std::vector<CallbackPtr> fit_callbacks_;  // options_.callbacks + the checkpoint_dir sugar
-};
-
-// "single": one process, no communication; world size must be 1.
-class SingleDeviceStrategy : public Strategy {
- public:
-  std::string name() const override { return "single"; }
-  void connect(ProcessGroupPtr world, const LaunchInfo& launch) override;
-  void setup_module(LightningModule& module) override;
-  double clip_grad_norm(LightningModule& module, double max_norm) override;
 };
 
 }  // namespace fsdp

@@ -3,9 +3,7 @@
 #include "fsdp/checkpoint.h"
 
 #include "ckpt/layout.h"
-#include "fsdp/fsdp_strategy.h"
-#include "shard/fsdp_param.h"
-#include "shard/fsdp_state.h"
+#include "fsdp/strategy.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/Generator.h>
@@ -121,37 +119,32 @@ std::vector<std::pair<std::string, at::Tensor>> optimizer_stats(torch::optim::Op
 Layout build_layout(Strategy* strategy, torch::nn::Module& module,
                     torch::optim::Optimizer* optimizer, json* optim_meta) {
   Layout L;
-  std::unordered_map<const c10::TensorImpl*, detail::FsdpParam*> fsdp_params;
-  if (auto* f = dynamic_cast<FSDPStrategy*>(strategy)) {
-    detail::FsdpState& st = f->state();
-    L.shard_group = st.shard_group();
+  // How the strategy holds the parameters: dim-0 shards with their full shapes and row ranges
+  // (FSDP), or every tensor whole (DDP, single; no strategy: load_weights).
+  std::unordered_map<const c10::TensorImpl*, LocalShard> shards;
+  if (strategy) {
+    LocalShards held = strategy->local_shards();
+    L.shard_group = held.shard_group;
     L.shard_world = L.shard_group ? L.shard_group->size() : 1;
     L.shard_rank = L.shard_group ? L.shard_group->rank() : 0;
-    L.replica_rank = st.replicate_group() ? st.replicate_group()->rank() : 0;
-    TORCH_INTERNAL_ASSERT(L.shard_world * (st.replicate_group() ? st.replicate_group()->size()
-                                                                 : 1) ==
-                              strategy->world_size(),
-                          "shard group ", L.shard_world, " x replicate group does not cover the "
-                          "world of ", strategy->world_size());
-    for (detail::FsdpParam* p : st.all_params()) {
-      if (!p->aliased()) fsdp_params[p->sharded().unsafeGetTensorImpl()] = p;
+    L.replica_rank = held.replica_rank;
+    for (auto& shard : held.params) {
+      shards.emplace(shard.local.unsafeGetTensorImpl(), std::move(shard));
     }
-  } else if (strategy) {
-    L.replica_rank = strategy->rank();  // ddp / single: every rank is a whole replica
   }
   for (const auto& item : module.named_parameters(/*recurse=*/true)) {
     LocalTensor t;
     t.key = item.key();
     t.local = item.value().detach();
     L.param_fqn[item.value().unsafeGetTensorImpl()] = t.key;
-    auto it = fsdp_params.find(item.value().unsafeGetTensorImpl());
-    if (it != fsdp_params.end()) {
-      detail::FsdpParam* fp = it->second;
-      t.full_shape = fp->full_shape().vec();
-      t.dim0 = fp->dim0();
-      t.shard_rows = fp->shard_rows();
-      t.row_begin = std::min<int64_t>(L.shard_rank * t.shard_rows, t.dim0);
-      t.rows = std::max<int64_t>(0, std::min<int64_t>(t.shard_rows, t.dim0 - t.row_begin));
+    auto it = shards.find(item.value().unsafeGetTensorImpl());
+    if (it != shards.end()) {
+      const LocalShard& shard = it->second;
+      t.full_shape = shard.full_shape;
+      t.dim0 = ckpt::dim0_of(t.full_shape);
+      t.shard_rows = shard.shard_rows;
+      t.row_begin = shard.rows.begin;
+      t.rows = shard.rows.size();
       t.sharded = true;
     } else {
       t.full_shape = t.local.sizes().vec();
@@ -291,9 +284,11 @@ json sharded_tensor_table(const Layout& L) {
       json pieces = json::array();
       if (t.sharded) {
         for (int r = 0; r < L.shard_world; ++r) {
-          int64_t b = std::min<int64_t>(r * t.shard_rows, t.dim0);
-          int64_t e = std::min<int64_t>(b + t.shard_rows, t.dim0);
-          if (e > b) pieces.push_back(json{{"file", ckpt::shard_file_name(r, files)}, {"rows", {b, e}}});
+          const RowRange rows = shard_row_range(t.dim0, t.shard_rows, r);
+          if (rows.size() > 0) {
+            pieces.push_back(json{{"file", ckpt::shard_file_name(r, files)},
+                                  {"rows", {rows.begin, rows.end}}});
+          }
         }
       } else if (t.dim0 > 0) {
         pieces.push_back(json{{"file", ckpt::shard_file_name(0, files)}, {"rows", {int64_t{0}, t.dim0}}});

@@ -141,14 +141,9 @@ const SourceTensor* Source::find(const std::string& key) const {
 const SafetensorsReader& Source::reader(const std::string& file) const {
   auto it = readers_.find(file);
   if (it != readers_.end()) return *it->second;
-  auto& slot = const_cast<Source*>(this)->readers_[file];
-  try {
-    slot = std::make_unique<SafetensorsReader>((fs::path(dir_) / file).string());
-  } catch (...) {
-    const_cast<Source*>(this)->readers_.erase(file);
-    throw;
-  }
-  return *slot;
+  // Opened on first use (a cache: reading does not change the checkpoint).
+  auto reader = std::make_unique<SafetensorsReader>((fs::path(dir_) / file).string());
+  return *readers_.emplace(file, std::move(reader)).first->second;
 }
 
 void Source::read_piece(const std::string& key, const Piece& piece, void* dst,

@@ -73,7 +73,7 @@ class Source {
   json meta_;
   CheckpointMeta info_;
   std::map<std::string, SourceTensor> tensors_;
-  std::map<std::string, std::unique_ptr<SafetensorsReader>> readers_;
+  mutable std::map<std::string, std::unique_ptr<SafetensorsReader>> readers_;  // opened lazily
 };
 
 // Exits the process (_exit) when FSDP_TEST_CRASH_DURING_SAVE is "<rank>" or "<rank>:<step>"

@@ -3,6 +3,7 @@
 #include "comm/process_group_impl.h"
 
 #include "comm/debug.h"
+#include "comm/local_groups.h"
 
 #include <c10/util/Exception.h>
 
@@ -78,12 +79,6 @@ std::string seconds_text(std::chrono::milliseconds ms) {
   }
   return out.str();
 }
-
-class DoneWork final : public Work {
- public:
-  void wait() override {}
-  bool is_completed() override { return true; }
-};
 
 class RecordWork final : public Work {
  public:
@@ -396,7 +391,7 @@ WorkPtr GroupImpl::enqueue(const Fingerprint& fp, std::vector<at::Tensor> keep_a
   issued_->store((seq << 4) | static_cast<int64_t>(fp.op), std::memory_order_relaxed);
   if (config_.size == 1) {
     if (local) local();
-    return std::make_shared<DoneWork>();
+    return done_work();
   }
   auto record = std::make_shared<OpRecord>();
   record->op = fp.op;

@@ -82,6 +82,10 @@ DDPMemoryEstimate estimate_ddp_memory(const torch::nn::Module& module, const DDP
   return est;
 }
 
+struct DDPStrategy::Reducer : detail::Reducer {
+  using detail::Reducer::Reducer;
+};
+
 DDPStrategy::DDPStrategy(DDPOptions options) : options_(std::move(options)) {
   TORCH_CHECK(options_.bucket_cap_mb > 0, "[ddp] bucket_cap_mb must be > 0, got ",
               options_.bucket_cap_mb);
@@ -156,8 +160,8 @@ void DDPStrategy::setup(torch::nn::Module& module) {
     averager_ = std::make_unique<PeriodicModelAverager>(
         options_.model_averaging_period, post_local->options().start_local_sgd_iter, world_);
   }
-  reducer_ = std::make_unique<detail::Reducer>(world_, std::move(trainable), options_,
-                                               std::move(hook), comm_state_);
+  reducer_ = std::make_unique<Reducer>(world_, std::move(trainable), options_, std::move(hook),
+                                       comm_state_);
 }
 
 void DDPStrategy::optimizer_step(torch::optim::Optimizer& optimizer) {
@@ -169,6 +173,14 @@ void DDPStrategy::optimizer_step(torch::optim::Optimizer& optimizer) {
     for (auto& p : group.params()) params.push_back(p);
   }
   averager_->average_parameters(params);
+}
+
+int64_t DDPStrategy::comm_bytes() const {
+  int64_t n = Strategy::comm_bytes();
+  if (comm_state_) {
+    for (const auto& g : comm_state_->other_groups()) n += total_bytes(g->counters());
+  }
+  return n;
 }
 
 void DDPStrategy::pre_forward(LightningModule& module, bool sync) { prepare_forward(sync); }

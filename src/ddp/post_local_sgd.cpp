@@ -40,6 +40,11 @@ void PostLocalSGDState::setup(const ProcessGroupPtr& world, const LaunchInfo& la
   TORCH_INTERNAL_ASSERT(subgroup_, "this rank is in none of the post-local SGD subgroups");
 }
 
+std::vector<ProcessGroupPtr> PostLocalSGDState::other_groups() const {
+  if (!subgroup_ || subgroup_ == process_group) return {};
+  return {subgroup_};
+}
+
 void PostLocalSGDState::maybe_increase_iter(bool bucket_is_last) {
   if (bucket_is_last) ++iter_;
 }

@@ -1,67 +1,192 @@
 #include "shard/collectives.h"
 
+#include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 
 namespace fsdp::detail {
-namespace {
 
-class DoneWork : public Work {
- public:
-  void wait() override {}
-  bool is_completed() override { return true; }
-};
+FlatLayout flat_layout(const FsdpParams& params) {
+  FlatLayout layout;
+  for (const auto& p : params) {
+    layout.all_gather_offsets.push_back(layout.all_gather_numel);
+    layout.all_gather_numel += p->shard_numel();
+    if (p->requires_grad()) {
+      layout.reduce_scatter_offsets.push_back(layout.reduce_scatter_numel);
+      layout.reduce_scatter_numel += p->shard_numel();
+    } else {
+      layout.reduce_scatter_offsets.push_back(-1);
+    }
+  }
+  return layout;
+}
 
-class SingleRankGroup : public ProcessGroup {
- public:
-  explicit SingleRankGroup(int world_rank) : world_ranks_{world_rank} {}
-  int rank() const override { return 0; }
-  int size() const override { return 1; }
-  std::string backend() const override { return "self"; }
-  const std::vector<int>& world_ranks() const override { return world_ranks_; }
+// Note [Unit all-gather]
+// ----------------------
+// Copy-in: every sharded parameter of the unit goes into one flat all-gather input of
+// ag_total = sum of shard numels elements (parameter i at offset o_i). One collective gathers
+// the output (W * ag_total): rank w's input lands at [w * ag_total, (w+1) * ag_total).
+// Copy-out: output.view({W, ag_total}).narrow(1, o_i, n_i) is (W, n_i); viewed as
+// (W * R_i, row_i) and cut to dim0_i rows it is P_i's full value (copy_out). Both flat buffers
+// are freed right after copy-out, so a unit holds 2x its unsharded bytes only while copying
+// out. The buffers are in the compute dtype: bf16 all-gathers move half the bytes (see Note
+// [Mixed-precision parameters] in fsdp_param.h).
+AllGather all_gather(const FsdpParams& params, const FlatLayout& layout, ProcessGroup& group,
+                     at::ScalarType dtype) {
+  RECORD_FUNCTION("FSDP::all_gather", c10::ArrayRef<const c10::IValue>{});
+  const auto options = params.front()->sharded().options().dtype(dtype).requires_grad(false);
+  at::NoGradGuard no_grad;
+  AllGather ag;
+  ag.input = at::empty({layout.all_gather_numel}, options);
+  for (size_t i = 0; i < params.size(); ++i) {
+    const FsdpParam& p = *params[i];
+    // Copy-in: S flattened, cast to the all-gather dtype.
+    ag.input.narrow(0, layout.all_gather_offsets[i], p.shard_numel())
+        .copy_(p.sharded().detach().reshape({-1}));
+  }
+  ag.output = at::empty({group.size() * layout.all_gather_numel}, options);
+  ag.work = group.all_gather_into_tensor_async(ag.output, ag.input);
+  return ag;
+}
 
-  WorkPtr all_gather_into_tensor_async(at::Tensor output, at::Tensor input) override {
-    TORCH_CHECK(output.numel() == input.numel(), "all_gather: output must have ", input.numel(),
-                " elements, got ", output.numel());
-    counters_.all_gather_bytes += input.numel() * input.element_size();
-    ++counters_.calls;
-    output.view({-1}).copy_(input.reshape({-1}));
-    return done();
+void all_gather_copy_out(AllGather& ag, const FsdpParams& params, const FlatLayout& layout) {
+  RECORD_FUNCTION("FSDP::all_gather_copy_out", c10::ArrayRef<const c10::IValue>{});
+  at::NoGradGuard no_grad;
+  ag.work->wait();
+  ag.input = at::Tensor();
+  const int64_t world = ag.output.numel() / layout.all_gather_numel;
+  at::Tensor rank_major = ag.output.view({world, layout.all_gather_numel});
+  for (size_t i = 0; i < params.size(); ++i) {
+    params[i]->alloc_unsharded();
+    copy_out(*params[i],
+             rank_major.narrow(1, layout.all_gather_offsets[i], params[i]->shard_numel()));
   }
-  WorkPtr reduce_scatter_tensor_async(at::Tensor output, at::Tensor input, ReduceOp) override {
-    TORCH_CHECK(output.numel() == input.numel(), "reduce_scatter: input must have ",
-                output.numel(), " elements, got ", input.numel());
-    counters_.reduce_scatter_bytes += input.numel() * input.element_size();
-    ++counters_.calls;
-    output.view({-1}).copy_(input.reshape({-1}));
-    return done();
-  }
-  WorkPtr all_reduce_async(at::Tensor, ReduceOp) override {
-    ++counters_.calls;
-    return done();
-  }
-  WorkPtr broadcast_async(at::Tensor, int root) override {
-    TORCH_CHECK(root == 0, "broadcast root ", root, " outside a group of one rank");
-    return done();
-  }
-  WorkPtr all_to_all_async(at::Tensor output, at::Tensor input) override {
-    output.view({-1}).copy_(input.reshape({-1}));
-    return done();
-  }
-  WorkPtr barrier_async() override { return done(); }
-  std::shared_ptr<ProcessGroup> new_subgroup(const std::vector<int>& ranks) override {
-    TORCH_CHECK(ranks == world_ranks_, "new_subgroup of a single-rank group must be that rank");
-    return std::make_shared<SingleRankGroup>(world_ranks_.front());
-  }
+  ag = AllGather{};
+}
 
- private:
-  static WorkPtr done() { return std::make_shared<DoneWork>(); }
-  std::vector<int> world_ranks_;
-};
+// Note [Unit reduce-scatter]
+// --------------------------
+// Trainable parameters' unsharded gradients are laid out rank-major in one flat reduce-scatter
+// input (W, rs_total): row w holds, for every trainable parameter at offset o_i, the rows
+// [w*R_i, (w+1)*R_i) of its gradient (zeros past dim0 and for parameters without a gradient
+// this step). Reduce-scatter with AVG leaves this rank's (rs_total) slice averaged over the shard
+// group; the replicate group (HYBRID, NO_SHARD) then all-reduces it with AVG. S.grad becomes a
+// view into that output, or is accumulated into when it already exists (a unit called twice,
+// gradient accumulation). The unsharded gradients are freed right after copy-in.
+// With a shard group of one rank, P.grad is S.grad: only the replicate all-reduce runs, on a
+// flat copy, and the result is written back.
+std::optional<ReduceScatter> reduce_scatter(const FsdpParams& params, const FlatLayout& layout,
+                                            ProcessGroup& shard_group,
+                                            const ProcessGroupPtr& replicate_group,
+                                            at::ScalarType dtype) {
+  if (layout.reduce_scatter_numel == 0) return std::nullopt;
+  bool any_grad = false;
+  for (const auto& p : params) any_grad |= p->requires_grad() && p->unsharded().grad().defined();
+  if (!any_grad) return std::nullopt;
+  RECORD_FUNCTION("FSDP::reduce_scatter", c10::ArrayRef<const c10::IValue>{});
+  at::NoGradGuard no_grad;
+  const auto options = params.front()->sharded().options().dtype(dtype).requires_grad(false);
+  const int64_t total = layout.reduce_scatter_numel;
+  ReduceScatter rs;
+  if (params.front()->aliased()) {
+    // P.grad is S.grad: nothing to scatter; average over the replicate group if there is one.
+    if (!replicate_group || replicate_group->size() == 1) return std::nullopt;
+    rs.output = at::zeros({total}, options);
+    for (size_t i = 0; i < params.size(); ++i) {
+      const FsdpParam& p = *params[i];
+      if (layout.reduce_scatter_offsets[i] < 0 || !p.unsharded().grad().defined()) continue;
+      rs.output.narrow(0, layout.reduce_scatter_offsets[i], p.shard_numel())
+          .copy_(p.unsharded().grad().reshape({-1}));
+    }
+    rs.work = replicate_group->all_reduce_async(rs.output, ReduceOp::kAvg);
+    rs.replicated = true;
+    return rs;
+  }
+  const int w = shard_group.size();
+  rs.input = at::zeros({w * total}, options);
+  at::Tensor rank_major = rs.input.view({w, total});
+  for (size_t i = 0; i < params.size(); ++i) {
+    const FsdpParam& p = *params[i];
+    if (layout.reduce_scatter_offsets[i] < 0 || !p.unsharded().grad().defined()) continue;
+    copy_grad_in(p, rank_major.narrow(1, layout.reduce_scatter_offsets[i], p.shard_numel()));
+  }
+  for (const auto& p : params) {  // copied in: the unsharded gradients are not needed any more
+    if (!p->aliased() && p->unsharded().grad().defined()) {
+      p->unsharded().mutable_grad() = at::Tensor();
+    }
+  }
+  rs.output = at::empty({total}, options);
+  rs.work = shard_group.reduce_scatter_tensor_async(rs.output, rs.input, ReduceOp::kAvg);
+  return rs;
+}
 
-}  // namespace
+void reduce_scatter_copy_out(ReduceScatter& rs, const FsdpParams& params,
+                             const FlatLayout& layout, const ProcessGroupPtr& replicate_group) {
+  RECORD_FUNCTION("FSDP::reduce_scatter_copy_out", c10::ArrayRef<const c10::IValue>{});
+  at::NoGradGuard no_grad;
+  if (rs.work) rs.work->wait();
+  rs.input = at::Tensor();
+  if (!rs.replicated && replicate_group && replicate_group->size() > 1) {
+    replicate_group->all_reduce(rs.output, ReduceOp::kAvg);
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (layout.reduce_scatter_offsets[i] < 0) continue;
+    FsdpParam& p = *params[i];
+    // Back to S's dtype (fp32 master gradient); a no-op view without mixed precision.
+    at::Tensor reduced = rs.output.narrow(0, layout.reduce_scatter_offsets[i], p.shard_numel())
+                             .to(p.sharded_dtype());
+    if (p.aliased()) {
+      // S.grad is P.grad: write the averaged values back (only those that had a gradient).
+      if (p.sharded().grad().defined()) p.sharded().grad().view({-1}).copy_(reduced);
+      continue;
+    }
+    at::Tensor& grad = p.sharded().mutable_grad();
+    if (grad.defined()) {
+      grad.add_(reduced.view(p.sharded().sizes()));
+    } else {
+      grad = reduced.view(p.sharded().sizes());
+    }
+  }
+}
 
-ProcessGroupPtr make_single_rank_group(int world_rank) {
-  return std::make_shared<SingleRankGroup>(world_rank);
+void copy_out(const FsdpParam& param, const at::Tensor& rank_major) {
+  // rank_major: (W, shard_numel) strided slice of the all-gather output. Row block w holds
+  // rows [w*R, (w+1)*R) of P; only the first dim0 rows overall are real.
+  TORCH_INTERNAL_ASSERT(param.unsharded_allocated(), "copy-out into freed parameter '",
+                        param.fqn(), "'");
+  at::Tensor target = param.unsharded().variable_data().view({param.dim0(), param.row_numel()});
+  at::Tensor blocks =
+      rank_major.view({param.shard_world(), param.shard_rows(), param.row_numel()});
+  for (int w = 0; w < param.shard_world(); ++w) {
+    const RowRange rows = param.rows_of(w);
+    if (rows.size() <= 0) break;
+    target.narrow(0, rows.begin, rows.size()).copy_(blocks.select(0, w).narrow(0, 0, rows.size()));
+  }
+}
+
+void copy_grad_in(const FsdpParam& param, const at::Tensor& rank_major) {
+  const at::Tensor& grad = param.unsharded().grad();
+  TORCH_INTERNAL_ASSERT(grad.defined(), "no unsharded gradient for '", param.fqn(), "'");
+  at::Tensor source = grad.detach().reshape({param.dim0(), param.row_numel()});
+  at::Tensor blocks =
+      rank_major.view({param.shard_world(), param.shard_rows(), param.row_numel()});
+  for (int w = 0; w < param.shard_world(); ++w) {
+    const RowRange rows = param.rows_of(w);
+    if (rows.size() <= 0) break;
+    blocks.select(0, w).narrow(0, 0, rows.size()).copy_(source.narrow(0, rows.begin, rows.size()));
+  }
+}
+
+at::Tensor gather_full(const FsdpParam& param, ProcessGroup& group) {
+  at::NoGradGuard no_grad;
+  const at::Tensor& s = param.sharded();
+  if (param.aliased()) return s.detach().clone();
+  at::Tensor flat =
+      at::empty({group.size() * param.shard_numel()}, s.options().requires_grad(false));
+  group.all_gather_into_tensor(flat, s.detach().reshape({-1}).contiguous());
+  return flat.view({group.size() * param.shard_rows(), param.row_numel()})
+      .narrow(0, 0, param.dim0())
+      .reshape(param.full_shape())
+      .clone();
 }
 
 }  // namespace fsdp::detail

@@ -1,9 +1,12 @@
-// Deferred initialization and shape-only planning. See include/fsdp/init.h.
+// Deferred initialization: units sharded while configure_model builds them. See include/fsdp/init.h.
 #include "shard/deferred_init.h"
 
 #include "fsdp/init.h"
 #include "fsdp/strategy.h"
+#include "shard/collectives.h"
 #include "shard/fsdp_state.h"
+#include "shard/fsdp_strategy_impl.h"
+#include "shard/options.h"
 #include "shard/wrap_policy.h"
 
 #include <c10/util/Exception.h>
@@ -71,28 +74,10 @@ void DeferredInit::on_built(torch::nn::Module& module) {
   if (policy_.kind == AutoWrapPolicy::Kind::kSize ||
       policy_.kind == AutoWrapPolicy::Kind::kPredicate) {
     // As select_units, inside the built subtree (every decision there depends only on the
-    // subtree): children first, a module's count is the elements no descendant unit took;
-    // units sharded earlier count as taken.
-    std::set<const c10::TensorImpl*> counted;
-    std::set<const torch::nn::Module*> done;
-    std::vector<fsdp::nn::Module*> chosen;  // post-order
-    std::function<int64_t(torch::nn::Module&)> count = [&](torch::nn::Module& m) -> int64_t {
-      if (!done.insert(&m).second || state_->is_deferred_unit(&m)) return 0;
-      int64_t n = 0;
-      for (auto& child : m.children()) n += count(*child);
-      for (auto& p : m.named_parameters(/*recurse=*/false)) {
-        if (counted.insert(p.value().unsafeGetTensorImpl()).second) n += p.value().numel();
-      }
-      auto* hooked = dynamic_cast<fsdp::nn::Module*>(&m);
-      if (hooked == nullptr) return n;
-      const bool wrap = policy_.kind == AutoWrapPolicy::Kind::kSize
-                            ? n >= policy_.min_num_params
-                            : policy_.predicate(m, n);
-      if (!wrap) return n;
-      chosen.push_back(hooked);
-      return 0;
-    };
-    count(module);
+    // subtree); units sharded earlier count as taken.
+    auto chosen = choose_units_by_count(
+        module, policy_, /*root_may_wrap=*/true,
+        [this](const torch::nn::Module& m) { return state_->is_deferred_unit(&m); });
     for (auto* unit : chosen) state_->shard_deferred_unit(*unit);
     return;
   }
@@ -176,7 +161,6 @@ void FsdpState::restore_unselected_deferred(const std::vector<UnitSpec>& specs) 
   std::set<const torch::nn::Module*> selected;
   for (const auto& spec : specs) selected.insert(spec.module);
   at::NoGradGuard no_grad;
-  const int w = shard_group_->size();
   for (auto it = deferred_.begin(); it != deferred_.end();) {
     FsdpParamGroup& unit = **it;
     // A parameter frozen (or unfrozen) after its unit was sharded changed only the shard's
@@ -191,17 +175,10 @@ void FsdpState::restore_unselected_deferred(const std::vector<UnitSpec>& specs) 
     }
     // Every rank restores the same units in the same (construction) order.
     for (auto& p : unit.params()) {
-      const at::Tensor& s = p->sharded();
       if (!p->aliased()) {
-        at::Tensor flat = at::empty({w * p->shard_numel()}, s.options().requires_grad(false));
-        shard_group_->all_gather_into_tensor(flat, s.detach().reshape({-1}).contiguous());
-        at::Tensor full = flat.view({w * p->shard_rows(), p->row_numel()})
-                              .narrow(0, 0, p->dim0())
-                              .reshape(p->full_shape())
-                              .clone();
         // Same TensorImpl (the layer's member), full values, the sharded dtype.
-        p->unsharded().set_data(full);
-        p->unsharded().set_requires_grad(s.requires_grad());
+        p->unsharded().set_data(gather_full(*p, *shard_group_));
+        p->unsharded().set_requires_grad(p->sharded().requires_grad());
       }
       for (const auto& reg : p->registrations()) {
         registered_parameters(*reg.module)[reg.name] = p->unsharded();
@@ -232,129 +209,49 @@ AutoWrapPolicy policy_with_deferred_units(const FsdpState& state, const AutoWrap
       [units, inside, policy](const torch::nn::Module& m, int64_t n) {
         if (units.count(&m)) return true;
         if (inside.count(&m)) return false;
-        return policy.kind == AutoWrapPolicy::Kind::kSize ? n >= policy.min_num_params
-                                                          : policy.predicate(m, n);
+        return wraps_by_count(policy, m, n);
       });
 }
 
-bool same_sharding_config(const FsdpConfig& a, const FsdpConfig& b) {
-  auto mp = [](const FsdpConfig& c) {
-    return c.mixed_precision ? c.mixed_precision->to_string() : std::string("none");
-  };
-  return a.reshard_after_forward == b.reshard_after_forward && mp(a) == mp(b);
-}
+// --- FSDPStrategy: entering and leaving deferred init -------------------------------------
 
 namespace {
 
-// A group that has a size and no peers: for planning units and their shard sizes
-// (estimate_fsdp_memory) without a launcher. Any collective is a bug.
-class ShapeOnlyGroup : public ProcessGroup {
- public:
-  explicit ShapeOnlyGroup(int size) : size_(size) {
-    for (int r = 0; r < size; ++r) ranks_.push_back(r);
-  }
-  int rank() const override { return 0; }
-  int size() const override { return size_; }
-  std::string backend() const override { return "shape-only"; }
-  const std::vector<int>& world_ranks() const override { return ranks_; }
-  WorkPtr all_gather_into_tensor_async(at::Tensor, at::Tensor) override { return fail(); }
-  WorkPtr reduce_scatter_tensor_async(at::Tensor, at::Tensor, ReduceOp) override { return fail(); }
-  WorkPtr all_reduce_async(at::Tensor, ReduceOp) override { return fail(); }
-  WorkPtr broadcast_async(at::Tensor, int) override { return fail(); }
-  WorkPtr all_to_all_async(at::Tensor, at::Tensor) override { return fail(); }
-  WorkPtr barrier_async() override { return fail(); }
-  std::shared_ptr<ProcessGroup> new_subgroup(const std::vector<int>&) override {
-    fail();
-    return nullptr;
-  }
-
- private:
-  static WorkPtr fail() {
-    TORCH_CHECK(false, "[FSDPStrategy] a planned model (plan_module / estimate_fsdp_memory) "
-                "cannot communicate; set up a real model with setup_module to train");
-  }
-  int size_;
-  std::vector<int> ranks_;
-};
-
-}  // namespace
-}  // namespace detail
-
-// --- FSDPStrategy: deferred init and planning -----------------------------------------------------
-
-bool FSDPStrategy::deferred_init_applies() const {
-  const ShardingStrategy ss = options_.sharding_strategy;
+bool deferred_init_applies(const FSDPStrategy& strategy) {
+  const FSDPOptions& options = strategy.options();
+  const ShardingStrategy ss = options.sharding_strategy;
   // FSDP_DEFERRED_INIT=0 turns it off without recompiling (e.g. to compare setup peaks).
   const char* env = std::getenv("FSDP_DEFERRED_INIT");
   const bool env_off = env != nullptr && std::string(env) == "0";
-  return options_.deferred_init && !env_off && world_ && world_->size() > 1 &&
-         !options_.sync_module_states && !state_ &&
+  return options.deferred_init && !env_off && strategy.world_size() > 1 &&
+         !options.sync_module_states &&
          (ss == ShardingStrategy::kFullShard || ss == ShardingStrategy::kShardGradOp);
 }
 
-void FSDPStrategy::begin_deferred_init() {
-  end_deferred_init();
-  if (deferred_state_) deferred_state_->restore_all_deferred();  // configure_model ran again
-  deferred_state_.reset();
-  num_deferred_units_ = 0;
-  if (!deferred_init_applies()) return;
+}  // namespace
+
+void begin_deferred_init(FSDPStrategy& strategy) {
+  FSDPStrategy::Impl& impl = strategy.impl();
+  end_deferred_init(strategy);
+  if (impl.deferred_state) impl.deferred_state->restore_all_deferred();  // configure_model ran again
+  impl.deferred_state.reset();
+  impl.num_deferred_units = 0;
+  if (impl.state || !deferred_init_applies(strategy)) return;
   // Same groups as setup_module makes for these strategies: the world is the shard group.
-  deferred_state_ = std::make_unique<detail::FsdpState>(detail::make_fsdp_config(options_),
-                                                        world_, nullptr);
-  deferred_ = std::make_unique<detail::DeferredInit>(this, deferred_state_.get(),
-                                                     options_.auto_wrap_policy);
-  fsdp::nn::set_init_observer(deferred_.get());
+  impl.deferred_state = std::make_unique<FsdpState>(make_fsdp_config(strategy.options()),
+                                                    strategy.world(), nullptr);
+  impl.deferred = std::make_unique<DeferredInit>(&strategy, impl.deferred_state.get(),
+                                                 strategy.options().auto_wrap_policy);
+  fsdp::nn::set_init_observer(impl.deferred.get());
 }
 
-void FSDPStrategy::end_deferred_init() {
-  if (deferred_ && fsdp::nn::init_observer() == deferred_.get()) {
+void end_deferred_init(FSDPStrategy& strategy) {
+  FSDPStrategy::Impl& impl = strategy.impl();
+  if (impl.deferred && fsdp::nn::init_observer() == impl.deferred.get()) {
     fsdp::nn::set_init_observer(nullptr);
   }
-  deferred_.reset();
+  impl.deferred.reset();
 }
 
-void FSDPStrategy::plan_module(torch::nn::Module& module, int world_size, int local_world_size) {
-  TORCH_CHECK(!state_, "[FSDPStrategy] plan_module: this strategy already holds a model");
-  TORCH_CHECK(world_size >= 1, "[FSDPStrategy] plan_module: world_size must be >= 1, got ",
-              world_size);
-  const ShardingStrategy ss = options_.sharding_strategy;
-  int shard_size = world_size;
-  if (ss == ShardingStrategy::kNoShard) {
-    shard_size = 1;
-  } else if (ss == ShardingStrategy::kHybridShard || ss == ShardingStrategy::kHybridShardZero2) {
-    shard_size = options_.hybrid_shard_size > 0 ? options_.hybrid_shard_size : local_world_size;
-    if (shard_size <= 0 || shard_size > world_size) shard_size = world_size;
-    TORCH_CHECK(world_size % shard_size == 0, "[FSDPStrategy] ", to_string(ss),
-                ": the shard group size ", shard_size, " must divide the world size ",
-                world_size, ". HINT: set hybrid_shard_size (e.g. ranks per node).");
-  }
-  ProcessGroupPtr shard_group = std::make_shared<detail::ShapeOnlyGroup>(shard_size);
-  ProcessGroupPtr replicate_group;
-  if (world_size / shard_size > 1) {
-    replicate_group = std::make_shared<detail::ShapeOnlyGroup>(world_size / shard_size);
-  }
-  auto units = detail::select_units(module, options_.auto_wrap_policy, manual_units_);
-  auto state = std::make_unique<detail::FsdpState>(detail::make_fsdp_config(options_),
-                                                   shard_group, replicate_group);
-  state->build(module, units);
-  state_ = std::move(state);
-}
-
-std::pair<int64_t, int64_t> FSDPStrategy::parameter_counts() {
-  int64_t all = 0, trainable = 0;
-  for (auto* p : state().all_params()) {
-    const int64_t n = p->unsharded().numel();  // P keeps its full sizes
-    all += n;
-    if (p->requires_grad()) trainable += n;
-  }
-  return {all, trainable};
-}
-
-FSDPMemoryEstimate estimate_fsdp_memory(torch::nn::Module& model, const FSDPOptions& options,
-                                        int world_size, int local_world_size) {
-  FSDPStrategy strategy(options);
-  strategy.plan_module(model, world_size, local_world_size > 0 ? local_world_size : world_size);
-  return strategy.memory_estimate();
-}
-
+}  // namespace detail
 }  // namespace fsdp

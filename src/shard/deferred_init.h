@@ -8,24 +8,25 @@
 namespace fsdp::detail {
 
 class FsdpState;
-struct FsdpConfig;
 
-// The engine configuration of `options` (one place: setup_module and deferred init agree).
-// Defined in fsdp_strategy.cpp.
-FsdpConfig make_fsdp_config(const FSDPOptions& options);
+// FSDPStrategy::enter_configure_model: when deferred init applies to `strategy`, creates the
+// state that will own the model and installs the observer that shards units as they are built.
+void begin_deferred_init(FSDPStrategy& strategy);
+// exit_configure_model (and setup_module): uninstalls the observer; the state stays for
+// setup_module to adopt.
+void end_deferred_init(FSDPStrategy& strategy);
+
 // `policy` for select_units over a model some of whose units were sharded during
 // configure_model: size-based and predicate policies would count their shards, so deferred
 // units are chosen as they were and modules inside them are not; everything else is asked as
 // usual (full counts). Other policies are returned unchanged.
 AutoWrapPolicy policy_with_deferred_units(const FsdpState& state, const AutoWrapPolicy& policy);
-// Whether units built under `a` are valid under `b` (resharding and mixed precision agree).
-bool same_sharding_config(const FsdpConfig& a, const FsdpConfig& b);
 
 // The init observer FSDPStrategy installs on its thread while configure_model runs.
 class DeferredInit : public fsdp::nn::InitObserver {
  public:
   DeferredInit(const FSDPStrategy* strategy, FsdpState* state, AutoWrapPolicy policy);
-  // fsdp::nn::built(module): shards the units the type policy selects inside `module`.
+  // fsdp::nn::built(module): shards the units the policy selects inside `module`.
   void on_built(torch::nn::Module& module) override;
   // fsdp::wrap(module): shards `module` as a unit.
   void on_wrap(fsdp::nn::Module& module);

@@ -22,25 +22,6 @@ torch::OrderedDict<std::string, at::Tensor>& registered_parameters(torch::nn::Mo
   return ModuleAccess::params(module);
 }
 
-void check_mixed_precision_policy(const MixedPrecisionPolicy& policy) {
-  auto check = [](const char* field, const std::optional<at::ScalarType>& t) {
-    TORCH_CHECK(!t || at::isFloatingType(*t), "[FSDPStrategy] MixedPrecisionPolicy.", field,
-                " must be a floating dtype (e.g. at::kBFloat16, at::kFloat), got ", *t);
-  };
-  check("param_dtype", policy.param_dtype);
-  check("reduce_dtype", policy.reduce_dtype);
-  check("buffer_dtype", policy.buffer_dtype);
-}
-
-void cast_buffers(torch::nn::Module& module, at::ScalarType dtype) {
-  at::NoGradGuard no_grad;
-  for (auto& b : module.buffers(/*recurse=*/true)) {
-    if (b.defined() && b.is_floating_point() && b.scalar_type() != dtype) {
-      b.set_data(b.to(dtype));
-    }
-  }
-}
-
 FsdpParam::FsdpParam(at::Tensor unsharded, Registration first, int shard_rank, int shard_world,
                      std::optional<at::ScalarType> compute_dtype)
     : unsharded_(std::move(unsharded)),
@@ -52,15 +33,15 @@ FsdpParam::FsdpParam(at::Tensor unsharded, Registration first, int shard_rank, i
   if (compute_dtype && unsharded_.is_floating_point()) compute_dtype_ = *compute_dtype;
   registrations_.push_back(std::move(first));
   TORCH_CHECK(!(compute_dtype_ == at::kHalf && unsharded_.device().is_cpu()),
-              "[fully_shard] MixedPrecisionPolicy.param_dtype=Half for CPU parameter '", fqn(),
+              "[FSDPStrategy] MixedPrecisionPolicy.param_dtype=Half for CPU parameter '", fqn(),
               "': CPU libtorch 1.13 has no fp16 matmul; use at::kBFloat16 (precision "
               "'bf16-mixed') instead.");
   TORCH_CHECK(unsharded_.is_contiguous() && unsharded_.storage_offset() == 0 &&
                   static_cast<int64_t>(unsharded_.storage().nbytes()) == unsharded_.nbytes(),
-              "[fully_shard] parameter '", fqn(), "' (shape ", unsharded_.sizes(),
+              "[FSDPStrategy] parameter '", fqn(), "' (shape ", unsharded_.sizes(),
               ") is a view into a larger storage or not contiguous; FSDP shards parameters that "
               "own their storage. HINT: register a contiguous tensor (e.g. .clone()).");
-  TORCH_CHECK(unsharded_.is_leaf(), "[fully_shard] parameter '", fqn(),
+  TORCH_CHECK(unsharded_.is_leaf(), "[FSDPStrategy] parameter '", fqn(),
               "' is not a leaf tensor; register parameters created with requires_grad, not "
               "results of operations");
   if (unsharded_.dim() <= 1) {
@@ -80,8 +61,7 @@ void FsdpParam::shard() {
   }
   at::NoGradGuard no_grad;
   at::Tensor rows = unsharded_.detach().reshape({dim0_, row_numel_});
-  const int64_t begin = std::min<int64_t>(dim0_, shard_rank_ * shard_rows_);
-  const int64_t count = std::min<int64_t>(shard_rows_, dim0_ - begin);
+  const RowRange mine = rows_of(shard_rank_);
   std::vector<int64_t> shape;
   if (unsharded_.dim() <= 1) {
     shape = {shard_rows_};
@@ -90,7 +70,11 @@ void FsdpParam::shard() {
     shape[0] = shard_rows_;
   }
   at::Tensor s = at::zeros(shape, unsharded_.options().requires_grad(false));
-  if (count > 0) s.view({shard_rows_, row_numel_}).narrow(0, 0, count).copy_(rows.narrow(0, begin, count));
+  if (mine.size() > 0) {
+    s.view({shard_rows_, row_numel_})
+        .narrow(0, 0, mine.size())
+        .copy_(rows.narrow(0, mine.begin, mine.size()));
+  }
   s.set_requires_grad(requires_grad_);
   sharded_ = s;
   if (casts()) {
@@ -117,37 +101,6 @@ void FsdpParam::alloc_unsharded() {
 
 bool FsdpParam::unsharded_allocated() const {
   return static_cast<int64_t>(unsharded_.storage().nbytes()) == full_nbytes();
-}
-
-void FsdpParam::copy_in(const at::Tensor& dst) const {
-  dst.copy_(sharded_.detach().reshape({-1}));  // casts to the all-gather dtype
-}
-
-void FsdpParam::copy_out(const at::Tensor& rank_major) const {
-  // rank_major: (W, shard_numel) strided slice of the all-gather output. Row block w holds
-  // rows [w*R, (w+1)*R) of P; only the first dim0 rows overall are real.
-  TORCH_INTERNAL_ASSERT(unsharded_allocated(), "copy-out into freed parameter '", fqn(), "'");
-  at::Tensor target = unsharded_.variable_data().view({dim0_, row_numel_});
-  at::Tensor blocks = rank_major.view({shard_world_, shard_rows_, row_numel_});
-  for (int w = 0; w < shard_world_; ++w) {
-    const int64_t begin = w * shard_rows_;
-    const int64_t count = std::min<int64_t>(shard_rows_, dim0_ - begin);
-    if (count <= 0) break;
-    target.narrow(0, begin, count).copy_(blocks.select(0, w).narrow(0, 0, count));
-  }
-}
-
-void FsdpParam::copy_grad_in(const at::Tensor& rank_major) const {
-  const at::Tensor& grad = unsharded_.grad();
-  TORCH_INTERNAL_ASSERT(grad.defined(), "no unsharded gradient for '", fqn(), "'");
-  at::Tensor source = grad.detach().reshape({dim0_, row_numel_});
-  at::Tensor blocks = rank_major.view({shard_world_, shard_rows_, row_numel_});
-  for (int w = 0; w < shard_world_; ++w) {
-    const int64_t begin = w * shard_rows_;
-    const int64_t count = std::min<int64_t>(shard_rows_, dim0_ - begin);
-    if (count <= 0) break;
-    blocks.select(0, w).narrow(0, 0, count).copy_(source.narrow(0, begin, count));
-  }
 }
 
 }  // namespace fsdp::detail

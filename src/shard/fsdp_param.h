@@ -1,7 +1,7 @@
 // FsdpParam: one parameter's sharded and unsharded representation.
 #pragma once
 
-#include "fsdp/precision.h"
+#include "fsdp/strategy.h"
 
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
@@ -102,6 +102,9 @@ class FsdpParam {
   int64_t dim0() const { return dim0_; }                // rows of P viewed as (dim0, row)
   int64_t row_numel() const { return row_numel_; }
   int64_t shard_rows() const { return shard_rows_; }    // R = ceil(dim0 / W)
+  int shard_world() const { return shard_world_; }      // W
+  // The real rows shard rank `rank` holds (fsdp::shard_row_range).
+  RowRange rows_of(int rank) const { return shard_row_range(dim0_, shard_rows_, rank); }
   int64_t shard_numel() const { return shard_rows_ * row_numel_; }
   int64_t padded_numel() const { return shard_numel() * shard_world_; }
   int64_t full_nbytes() const {  // P's bytes when allocated (compute dtype)
@@ -116,14 +119,6 @@ class FsdpParam {
   void alloc_unsharded();   // storage -> full bytes (values undefined until copy-out)
   bool unsharded_allocated() const;
 
-  // Copy-in: S (flattened, cast to dst's dtype) into `dst` (shard_numel() elements).
-  void copy_in(const at::Tensor& dst) const;
-  // Copy-out: `all_gather_output.view({W, total}).narrow(1, offset, shard_numel())` -> P.
-  void copy_out(const at::Tensor& rank_major) const;
-  // Unsharded grad into a rank-major (W, shard_numel) slice of the reduce-scatter input
-  // (pre-zeroed: padding rows stay 0).
-  void copy_grad_in(const at::Tensor& rank_major) const;
-
  private:
   at::Tensor unsharded_;  // P, full shape
   at::Tensor sharded_;    // S, (R, rest...) or (R,) for 0-d/1-d P
@@ -137,11 +132,6 @@ class FsdpParam {
   at::ScalarType sharded_dtype_;  // S (and P before shard())
   at::ScalarType compute_dtype_;  // P after shard()
 };
-
-// A policy's dtypes must be floating types; user errors name the field.
-void check_mixed_precision_policy(const MixedPrecisionPolicy& policy);
-// Casts the floating buffers of `module` (recursively) to `dtype` in place (set_data).
-void cast_buffers(torch::nn::Module& module, at::ScalarType dtype);
 
 // Reaches the protected parameters_ dict of any torch::nn::Module.
 torch::OrderedDict<std::string, at::Tensor>& registered_parameters(torch::nn::Module& module);

@@ -1,11 +1,8 @@
 #include "shard/fsdp_param_group.h"
 
 #include "fsdp/activation_checkpointing.h"
-#include "fsdp/nn.h"
-#include "shard/fsdp_state.h"
 
 #include <c10/util/Exception.h>
-#include <torch/csrc/autograd/custom_function.h>
 
 namespace fsdp::detail {
 
@@ -13,8 +10,8 @@ const char* to_string(ShardedState state) {
   switch (state) {
     case ShardedState::kSharded:
       return "kSharded";
-    case ShardedState::kShardedPostForward:
-      return "kShardedPostForward";
+    case ShardedState::kReshardedAfterForward:
+      return "kReshardedAfterForward";
     case ShardedState::kUnsharded:
       return "kUnsharded";
   }
@@ -35,77 +32,32 @@ const char* to_string(TrainingState state) {
   return "?";
 }
 
-namespace {
-
-// Note [Post-backward function]
-// -----------------------------
-// libtorch has no module backward hooks. In pre-forward, the unit's inputs that require grad go
-// through this identity function; its backward runs once every gradient flowing to those
-// inputs is computed, i.e. after the unit's own backward. The gradients of the unit's
-// parameters are accumulated by AccumulateGrad nodes that become ready at the same time or
-// earlier and run first (they have the highest priority in the engine's ready queue), so P.grad
-// is complete when this fires. Units whose inputs do not require grad (the first layer after
-// the token ids) and the root unit are finished by the end-of-backward callback instead.
-struct PostBackwardFunction : torch::autograd::Function<PostBackwardFunction> {
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
-                                                at::TensorList inputs, int64_t unit_address) {
-    ctx->saved_data["unit"] = unit_address;
-    return torch::autograd::variable_list(inputs.begin(), inputs.end());
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    auto* unit = reinterpret_cast<FsdpParamGroup*>(ctx->saved_data["unit"].toInt());
-    unit->post_backward();
-    grads.emplace_back();  // for unit_address
-    return grads;
-  }
-};
-
-}  // namespace
-
-FsdpParamGroup::FsdpParamGroup(std::string name, fsdp::nn::Module* module, FsdpState* state,
-                               ProcessGroupPtr shard_group, ProcessGroupPtr replicate_group,
-                               bool reshard_after_forward)
-    : name_(std::move(name)),
-      module_(module),
-      state_(state),
-      shard_group_(std::move(shard_group)),
-      replicate_group_(std::move(replicate_group)),
-      reshard_after_forward_(reshard_after_forward) {
-  TORCH_INTERNAL_ASSERT(shard_group_, "unit '", name_, "' has no shard group");
+FsdpParamGroup::FsdpParamGroup(std::string name, fsdp::nn::Module* module, UnitConfig config)
+    : name_(std::move(name)), module_(module), config_(std::move(config)) {
+  TORCH_INTERNAL_ASSERT(config_.shard_group, "unit '", name_, "' has no shard group");
 }
 
 FsdpParam& FsdpParamGroup::add_param(at::Tensor unsharded, FsdpParam::Registration reg) {
-  const auto& mp = state_->config().mixed_precision;
-  params_.push_back(std::make_unique<FsdpParam>(std::move(unsharded), std::move(reg),
-                                                shard_group_->rank(), shard_group_->size(),
-                                                mp ? mp->param_dtype : std::nullopt));
+  const auto& mp = config_.mixed_precision;
+  params_.push_back(std::make_unique<FsdpParam>(
+      std::move(unsharded), std::move(reg), config_.shard_group->rank(),
+      config_.shard_group->size(), mp ? mp->param_dtype : std::nullopt));
   return *params_.back();
 }
 
 void FsdpParamGroup::init() {
-  ag_offsets_.clear();
-  rs_offsets_.clear();
-  ag_total_ = rs_total_ = 0;
   for (auto& p : params_) {
     TORCH_CHECK(p->sharded_dtype() == params_.front()->sharded_dtype(),
-                "[fully_shard] unit '", name_, "' mixes dtypes: '", p->fqn(), "' is ",
+                "[FSDPStrategy] unit '", name_, "' mixes dtypes: '", p->fqn(), "' is ",
                 p->sharded_dtype(), " but '", params_.front()->fqn(), "' is ",
                 params_.front()->sharded_dtype(),
                 ". HINT: wrap parameters of different dtypes in separate units.");
-    ag_offsets_.push_back(ag_total_);
-    ag_total_ += p->shard_numel();
-    if (p->requires_grad()) {
-      rs_offsets_.push_back(rs_total_);
-      rs_total_ += p->shard_numel();
-    } else {
-      rs_offsets_.push_back(-1);
-    }
     p->shard();
   }
+  layout_ = flat_layout(params_);
   // See Note [Mixed-precision parameters] in fsdp_param.h.
   aliased_ = !params_.empty() && params_.front()->aliased();
-  const auto& mp = state_->config().mixed_precision;
+  const auto& mp = config_.mixed_precision;
   if (!params_.empty()) {
     compute_dtype_ = params_.front()->compute_dtype();
     reduce_dtype_ = mp ? mp->reduce_dtype_or(compute_dtype_) : compute_dtype_;
@@ -123,10 +75,11 @@ int64_t FsdpParamGroup::unsharded_bytes() const {
 
 void FsdpParamGroup::transition(ShardedState next) {
   const ShardedState cur = sharded_state_;
-  const bool ok = (cur != ShardedState::kUnsharded && next == ShardedState::kUnsharded) ||
-                  (cur == ShardedState::kUnsharded && next != ShardedState::kUnsharded) ||
-                  (cur == ShardedState::kShardedPostForward && next == ShardedState::kSharded);
-  TORCH_INTERNAL_ASSERT(ok, "[fully_shard] invalid state transition ", to_string(cur), " -> ",
+  const bool ok =
+      (cur != ShardedState::kUnsharded && next == ShardedState::kUnsharded) ||
+      (cur == ShardedState::kUnsharded && next != ShardedState::kUnsharded) ||
+      (cur == ShardedState::kReshardedAfterForward && next == ShardedState::kSharded);
+  TORCH_INTERNAL_ASSERT(ok, "[FSDPStrategy] invalid state transition ", to_string(cur), " -> ",
                         to_string(next), " in unit '", name_, "' (training state ",
                         to_string(training_state_), ")");
   sharded_state_ = next;
@@ -138,54 +91,26 @@ void FsdpParamGroup::transition(ShardedState next) {
   }
 }
 
-// Note [Unit all-gather]
-// ----------------------
-// Copy-in: every sharded parameter of the unit goes into one flat all-gather input of
-// ag_total = sum of shard numels elements (parameter i at offset o_i). One collective gathers
-// the output (W * ag_total): rank w's input lands at [w * ag_total, (w+1) * ag_total).
-// Copy-out: output.view({W, ag_total}).narrow(1, o_i, n_i) is (W, n_i); viewed as
-// (W * R_i, row_i) and cut to dim0_i rows it is P_i's full value (FsdpParam::copy_out). Both
-// flat buffers are freed right after copy-out, so a unit holds 2x its unsharded bytes only
-// while copying out.
+// --- collectives ---------------------------------------------------------------------------
+
 void FsdpParamGroup::issue_all_gather() {
   TORCH_INTERNAL_ASSERT(!is_unsharded() && !has_pending_all_gather(),
                         "all-gather issued for unit '", name_, "' in state ",
                         to_string(sharded_state_));
   if (aliased_ || params_.empty()) return;  // nothing to gather
-  // In the compute dtype: bf16 all-gathers move half the bytes. See Note [Mixed-precision
-  // parameters] in fsdp_param.h.
-  const auto options =
-      params_.front()->sharded().options().dtype(compute_dtype_).requires_grad(false);
-  at::NoGradGuard no_grad;
-  pending_ag_.input = at::empty({ag_total_}, options);
-  for (size_t i = 0; i < params_.size(); ++i) {
-    params_[i]->copy_in(pending_ag_.input.narrow(0, ag_offsets_[i], params_[i]->shard_numel()));
-  }
-  pending_ag_.output = at::empty({shard_world() * ag_total_}, options);
-  pending_ag_.work =
-      shard_group_->all_gather_into_tensor_async(pending_ag_.output, pending_ag_.input);
+  pending_ag_ = all_gather(params_, layout_, *config_.shard_group, compute_dtype_);
 }
 
 void FsdpParamGroup::unshard() {
   if (!has_pending_all_gather()) issue_all_gather();
-  at::NoGradGuard no_grad;
-  if (has_pending_all_gather()) {
-    pending_ag_.work->wait();
-    pending_ag_.input = at::Tensor();
-    at::Tensor rank_major = pending_ag_.output.view({shard_world(), ag_total_});
-    for (size_t i = 0; i < params_.size(); ++i) {
-      params_[i]->alloc_unsharded();
-      params_[i]->copy_out(rank_major.narrow(1, ag_offsets_[i], params_[i]->shard_numel()));
-    }
-    pending_ag_ = PendingAllGather{};
-  }
+  if (has_pending_all_gather()) all_gather_copy_out(pending_ag_, params_, layout_);
   transition(ShardedState::kUnsharded);
 }
 
 void FsdpParamGroup::drop_pending_all_gather() {
   if (!has_pending_all_gather()) return;
   pending_ag_.work->wait();
-  pending_ag_ = PendingAllGather{};
+  pending_ag_ = AllGather{};
 }
 
 void FsdpParamGroup::reshard(ShardedState next) {
@@ -194,128 +119,26 @@ void FsdpParamGroup::reshard(ShardedState next) {
   transition(next);
 }
 
-void FsdpParamGroup::reshard_state_to_rest() { transition(ShardedState::kSharded); }
+void FsdpParamGroup::mark_at_rest() { transition(ShardedState::kSharded); }
 
-void FsdpParamGroup::free_unsharded_grads() {
-  for (auto& p : params_) {
-    if (!p->aliased() && p->unsharded().grad().defined()) {
-      p->unsharded().mutable_grad() = at::Tensor();
-    }
-  }
-}
-
-// Note [Unit reduce-scatter]
-// --------------------------
-// Trainable parameters' unsharded gradients are laid out rank-major in one flat reduce-scatter
-// input (W, rs_total): row w holds, for every trainable parameter at offset o_i, the rows
-// [w*R_i, (w+1)*R_i) of its gradient (zeros past dim0 and for parameters without a gradient
-// this step). Reduce-scatter with AVG leaves this rank's (rs_total) slice averaged over the shard
-// group; the replicate group (HYBRID, NO_SHARD) then all-reduces it with AVG. S.grad becomes a
-// view into that output, or is accumulated into when it already exists (a unit called twice,
-// gradient accumulation). The unsharded gradients are freed right after copy-in.
-// With a shard group of one rank, P.grad is S.grad: only the replicate all-reduce runs, on a
-// flat copy, and the result is written back.
 void FsdpParamGroup::issue_reduce_scatter() {
-  if (rs_total_ == 0) return;
-  bool any_grad = false;
-  for (auto& p : params_) any_grad |= p->requires_grad() && p->unsharded().grad().defined();
-  if (!any_grad) return;
-  at::NoGradGuard no_grad;
-  const auto options =
-      params_.front()->sharded().options().dtype(reduce_dtype_).requires_grad(false);
-  PendingReduceScatter rs;
-  const int w = shard_world();
-  if (aliased_) {
-    // P.grad is S.grad: nothing to scatter; average over the replicate group if there is one.
-    if (!replicate_group_ || replicate_group_->size() == 1) return;
-    rs.output = at::zeros({rs_total_}, options);
-    for (size_t i = 0; i < params_.size(); ++i) {
-      if (rs_offsets_[i] < 0 || !params_[i]->unsharded().grad().defined()) continue;
-      rs.output.narrow(0, rs_offsets_[i], params_[i]->shard_numel())
-          .copy_(params_[i]->unsharded().grad().reshape({-1}));
-    }
-    rs.work = replicate_group_->all_reduce_async(rs.output, ReduceOp::kAvg);
-    rs.replicated = true;
-  } else {
-    rs.input = at::zeros({w * rs_total_}, options);
-    at::Tensor rank_major = rs.input.view({w, rs_total_});
-    for (size_t i = 0; i < params_.size(); ++i) {
-      if (rs_offsets_[i] < 0 || !params_[i]->unsharded().grad().defined()) continue;
-      params_[i]->copy_grad_in(rank_major.narrow(1, rs_offsets_[i], params_[i]->shard_numel()));
-    }
-    free_unsharded_grads();
-    rs.output = at::empty({rs_total_}, options);
-    rs.work = shard_group_->reduce_scatter_tensor_async(rs.output, rs.input, ReduceOp::kAvg);
-  }
-  pending_rs_.push_back(std::move(rs));
+  auto rs = reduce_scatter(params_, layout_, *config_.shard_group, config_.replicate_group,
+                           reduce_dtype_);
+  if (rs) pending_rs_.push_back(std::move(*rs));
 }
 
 void FsdpParamGroup::finish_reduce_scatter() {
-  at::NoGradGuard no_grad;
   for (auto& rs : pending_rs_) {
-    if (rs.work) rs.work->wait();
-    rs.input = at::Tensor();
-    if (!rs.replicated && replicate_group_ && replicate_group_->size() > 1) {
-      replicate_group_->all_reduce(rs.output, ReduceOp::kAvg);
-    }
-    for (size_t i = 0; i < params_.size(); ++i) {
-      if (rs_offsets_[i] < 0) continue;
-      FsdpParam& p = *params_[i];
-      // Back to S's dtype (fp32 master gradient); a no-op view without mixed precision.
-      at::Tensor reduced =
-          rs.output.narrow(0, rs_offsets_[i], p.shard_numel()).to(p.sharded_dtype());
-      if (p.aliased()) {
-        // S.grad is P.grad: write the averaged values back (only those that had a gradient).
-        if (p.sharded().grad().defined()) {
-          p.sharded().grad().view({-1}).copy_(reduced);
-        }
-        continue;
-      }
-      at::Tensor& grad = p.sharded().mutable_grad();
-      if (grad.defined()) {
-        grad.add_(reduced.view(p.sharded().sizes()));
-      } else {
-        grad = reduced.view(p.sharded().sizes());
-      }
-    }
+    reduce_scatter_copy_out(rs, params_, layout_, config_.replicate_group);
   }
   pending_rs_.clear();
 }
 
-void FsdpParamGroup::pre_forward(std::vector<at::Tensor>& inputs) {
+// --- the unit's part of each hook ------------------------------------------------------------
+
+void FsdpParamGroup::pre_forward() {
   training_state_ = TrainingState::kForward;
-  state_->record_forward(*this);
   if (!is_unsharded()) unshard();
-  // A recomputed forward runs during backward: no forward prefetch then. See Note
-  // [Checkpointed units].
-  if (state_->config().forward_prefetch && !fsdp::in_activation_recompute()) {
-    state_->prefetch_after_forward_of(*this);
-  }
-  // Mixed precision: floating inputs compute in the parameters' dtype. FSDP2 casts at the root
-  // only; a unit may also receive fp32 from un-cast code (e.g. an fp32 buffer added to bf16
-  // activations), so every unit casts its own inputs (a no-op when they already match).
-  const auto& mp = state_->config().mixed_precision;
-  if (mp && mp->param_dtype) {
-    for (auto& x : inputs) {
-      if (x.defined() && x.is_floating_point() && x.scalar_type() != *mp->param_dtype) {
-        x = x.to(*mp->param_dtype);
-      }
-    }
-  }
-  if (!at::GradMode::is_enabled()) return;
-  // See Note [Post-backward function].
-  std::vector<at::Tensor> with_grad;
-  std::vector<size_t> where;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    if (inputs[i].defined() && inputs[i].requires_grad()) {
-      with_grad.push_back(inputs[i]);
-      where.push_back(i);
-    }
-  }
-  if (with_grad.empty()) return;
-  auto outputs = PostBackwardFunction::apply(at::TensorList(with_grad),
-                                             reinterpret_cast<int64_t>(this));
-  for (size_t k = 0; k < where.size(); ++k) inputs[where[k]] = outputs[k];
 }
 
 // Note [Checkpointed units]
@@ -334,24 +157,16 @@ void FsdpParamGroup::pre_forward(std::vector<at::Tensor>& inputs) {
 //     installs them. Its post-forward must not reshard then: its backward follows at once
 //     (resharding would cost a second all-gather in pre-backward), and no forward prefetch is
 //     issued from a recompute.
-void FsdpParamGroup::post_forward(at::Tensor& output) {
-  // See Note [Checkpointed units].
-  if (reshard_after_forward_ && is_unsharded() && !fsdp::in_activation_recompute()) {
-    reshard(ShardedState::kShardedPostForward);
-  }
-  if (output.defined() && output.requires_grad() && at::GradMode::is_enabled()) {
-    output.register_hook([this](const at::Tensor&) { pre_backward(); });
+void FsdpParamGroup::post_forward() {
+  if (config_.reshard_after_forward && is_unsharded() && !fsdp::in_activation_recompute()) {
+    reshard(ShardedState::kReshardedAfterForward);
   }
 }
 
 void FsdpParamGroup::pre_backward() {
-  state_->on_backward_start();
   ++backward_pending_;
   training_state_ = TrainingState::kPreBackward;
   if (!is_unsharded()) unshard();
-  if (state_->config().backward_prefetch == BackwardPrefetch::kPre) {
-    state_->prefetch_before_backward_of(*this);
-  }
 }
 
 // Note [No-sync gradient accumulation]
@@ -366,35 +181,29 @@ void FsdpParamGroup::pre_backward() {
 //                pay k reduce-scatters per optimizer step of k micro-batches.
 // We follow PyTorch FSDP's no_sync: communication is the scarce resource on CPU ranks. Users
 // short of memory run accumulate_grad_batches=1 with a larger per-rank batch instead.
-void FsdpParamGroup::post_backward() {
+bool FsdpParamGroup::post_backward(bool sync) {
   if (backward_pending_ > 0) --backward_pending_;
-  if (backward_pending_ > 0) return;  // another call of this unit still runs its backward
-  TORCH_INTERNAL_ASSERT(is_unsharded(), "[fully_shard] post-backward of unit '", name_,
+  if (backward_pending_ > 0) return false;  // another call of this unit still runs its backward
+  TORCH_INTERNAL_ASSERT(is_unsharded(), "[FSDPStrategy] post-backward of unit '", name_,
                         "' found it ", to_string(sharded_state_), "; its parameters were freed "
                         "before its backward finished");
-  if (state_->sync()) {  // See Note [No-sync gradient accumulation]
-    issue_reduce_scatter();
-    state_->reduce_scatter_issued(*this);
-  }
+  if (sync) issue_reduce_scatter();  // See Note [No-sync gradient accumulation]
   reshard(ShardedState::kSharded);
   training_state_ = TrainingState::kPostBackward;
-  if (state_->config().backward_prefetch == BackwardPrefetch::kPost) {
-    state_->prefetch_before_backward_of(*this);
-  }
+  return true;
 }
 
-void FsdpParamGroup::finalize_backward() {
+void FsdpParamGroup::finalize_backward(bool sync) {
   drop_pending_all_gather();
   if (is_unsharded()) {
-    backward_pending_ = 0;
     // Still unsharded: the root, a unit whose inputs needed no grad, a SHARD_GRAD_OP unit
     // without backward. Reduce whatever gradients it received.
-    if (state_->sync()) issue_reduce_scatter();
+    if (sync) issue_reduce_scatter();
     reshard(ShardedState::kSharded);
-  } else if (sharded_state_ == ShardedState::kShardedPostForward) {
+  } else if (sharded_state_ == ShardedState::kReshardedAfterForward) {
     // Ran forward but no gradient reached it (e.g. every output was unused): nothing to reduce.
     // Gradients may still have accumulated earlier without sync: they stay in P.grad.
-    reshard_state_to_rest();
+    mark_at_rest();
   }
   backward_pending_ = 0;
   training_state_ = TrainingState::kPostBackward;

@@ -1,15 +1,65 @@
+// FsdpState: building the units, installing the hooks, and the hooks themselves. One step of
+// FULL_SHARD, as this file drives it (see also docs/design.md, "The engine, top-down"):
+//
+//   begin_step          the root unit is unsharded (Strategy::pre_forward)
+//   pre_forward(u)      unit u is unsharded (or finds its prefetched all-gather), the next unit's
+//                       all-gather is prefetched (forward_prefetch), inputs are cast (mixed
+//                       precision) and routed through the post-backward function
+//   post_forward(u)     u is resharded (FULL_SHARD); its output gets the pre-backward hook
+//   pre_backward(u)     u is unsharded again; the previous unit's all-gather is prefetched
+//   post_backward(u)    u's gradients are reduce-scattered, u is resharded; the reduce-scatter
+//                       issued before it is finished (one in flight)
+//   on_backward_end     units whose post-backward did not run are finished
+//   finish_step         every reduce-scatter is finished (Strategy::post_backward)
 #include "shard/fsdp_state.h"
 
+#include "fsdp/activation_checkpointing.h"
 #include "fsdp/nn.h"
 
+#include <ATen/record_function.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/engine.h>
 
-#include <map>
-#include <set>
-#include <unordered_map>
+#include <functional>
 
 namespace fsdp::detail {
+namespace {
+
+// Note [Post-backward function]
+// -----------------------------
+// libtorch has no module backward hooks. In pre-forward, the unit's inputs that require grad go
+// through this identity function; its backward runs once every gradient flowing to those
+// inputs is computed, i.e. after the unit's own backward. The gradients of the unit's
+// parameters are accumulated by AccumulateGrad nodes that become ready at the same time or
+// earlier and run first (they have the highest priority in the engine's ready queue), so P.grad
+// is complete when this fires. Units whose inputs do not require grad (the first layer after
+// the token ids) and the root unit are finished by the end-of-backward callback instead.
+struct PostBackwardFunction : torch::autograd::Function<PostBackwardFunction> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                at::TensorList inputs, int64_t state_address,
+                                                int64_t unit_address) {
+    ctx->saved_data["state"] = state_address;
+    ctx->saved_data["unit"] = unit_address;
+    return torch::autograd::variable_list(inputs.begin(), inputs.end());
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto* state = reinterpret_cast<FsdpState*>(ctx->saved_data["state"].toInt());
+    auto* unit = reinterpret_cast<FsdpParamGroup*>(ctx->saved_data["unit"].toInt());
+    state->post_backward(*unit);
+    grads.emplace_back();  // for state_address
+    grads.emplace_back();  // for unit_address
+    return grads;
+  }
+};
+
+bool is_alive(const std::weak_ptr<bool>& alive) {
+  auto a = alive.lock();
+  return a && *a;
+}
+
+}  // namespace
 
 FsdpState::FsdpState(FsdpConfig config, ProcessGroupPtr shard_group,
                      ProcessGroupPtr replicate_group)
@@ -19,9 +69,25 @@ FsdpState::FsdpState(FsdpConfig config, ProcessGroupPtr shard_group,
       alive_(std::make_shared<bool>(true)) {}
 
 FsdpState::~FsdpState() {
-  // Hooks installed on the modules outlive this object when the model outlives the strategy:
-  // they check this flag and do nothing afterwards (the model's parameters stay sharded).
   *alive_ = false;
+  // The model may outlive the strategy: its modules stop calling into us. A module that died
+  // first took its hooks with it.
+  for (const auto& h : hooks_) {
+    if (auto module = h.module.lock()) {
+      h.hooked->remove_hook(h.pre_forward);
+      h.hooked->remove_hook(h.post_forward);
+    }
+  }
+}
+
+std::unique_ptr<FsdpParamGroup> FsdpState::new_unit(std::string name, fsdp::nn::Module* module,
+                                                    bool reshard) {
+  UnitConfig unit;
+  unit.shard_group = shard_group_;
+  unit.replicate_group = replicate_group_;
+  unit.reshard_after_forward = reshard;
+  unit.mixed_precision = config_.mixed_precision;
+  return std::make_unique<FsdpParamGroup>(std::move(name), module, std::move(unit));
 }
 
 void FsdpState::build(torch::nn::Module& root, const std::vector<UnitSpec>& specs) {
@@ -71,7 +137,7 @@ void FsdpState::build(torch::nn::Module& root, const std::vector<UnitSpec>& spec
           FsdpParam::Registration reg{&m, name, prefix + name};
           auto found = seen.find(tensor.unsafeGetTensorImpl());
           if (found != seen.end()) {
-            TORCH_CHECK(found->second.unit == owner, "[fully_shard] parameter '", reg.fqn,
+            TORCH_CHECK(found->second.unit == owner, "[FSDPStrategy] parameter '", reg.fqn,
                         "' (shape ", tensor.sizes(), ") is the same tensor as '",
                         found->second.param->fqn(), "', but '", reg.fqn, "' belongs to unit '",
                         owner->name(), "' and '", found->second.param->fqn(),
@@ -91,7 +157,7 @@ void FsdpState::build(torch::nn::Module& root, const std::vector<UnitSpec>& spec
   visit(root, "", units_.front().get());
 
   for (const auto& [module, unit] : unit_of) {
-    TORCH_CHECK(visited.count(module), "[fully_shard] unit '", unit->name(),
+    TORCH_CHECK(visited.count(module), "[FSDPStrategy] unit '", unit->name(),
                 "' is not a submodule of the model given to the strategy. HINT: register the "
                 "module (register_module) before wrapping it.");
   }
@@ -104,51 +170,114 @@ void FsdpState::materialize() {
   std::weak_ptr<bool> alive = alive_;
   for (auto& unit : units_) {
     if (unit->is_root()) continue;
-    FsdpParamGroup* g = unit.get();
+    FsdpParamGroup* u = unit.get();
     fsdp::nn::Module* m = unit->module();
-    std::vector<int> handles;
-    handles.push_back(m->add_pre_forward_hook(
-        [g, alive](fsdp::nn::Module&, fsdp::nn::Inputs& inputs) {
-          auto a = alive.lock();
-          if (a && *a) g->pre_forward(inputs);
-        }));
-    handles.push_back(m->add_post_forward_hook(
-        [g, alive](fsdp::nn::Module&, const fsdp::nn::Inputs&, at::Tensor& output) {
-          auto a = alive.lock();
-          if (a && *a) g->post_forward(output);
-        }));
+    InstalledHooks h;
+    try {
+      h.module = m->shared_from_this();
+    } catch (const std::bad_weak_ptr&) {
+      // Not owned by a shared_ptr: its hooks stay and check `alive` instead.
+    }
+    h.hooked = m;
+    h.pre_forward = m->add_pre_forward_hook(
+        [this, u, alive](fsdp::nn::Module&, fsdp::nn::Inputs& inputs) {
+          if (is_alive(alive)) pre_forward(*u, inputs);
+        });
+    h.post_forward = m->add_post_forward_hook(
+        [this, u, alive](fsdp::nn::Module&, const fsdp::nn::Inputs&, at::Tensor& output) {
+          if (is_alive(alive)) post_forward(*u, output);
+        });
+    hooks_.push_back(std::move(h));
   }
 }
 
-std::unique_ptr<FsdpParamGroup> FsdpState::new_unit(std::string name, fsdp::nn::Module* module,
-                                                    bool reshard) {
-  return std::make_unique<FsdpParamGroup>(std::move(name), module, this, shard_group_,
-                                          replicate_group_, reshard);
-}
-
-std::vector<FsdpParam*> FsdpState::all_params() {
+std::vector<FsdpParam*> FsdpState::all_params() const {
   std::vector<FsdpParam*> out;
-  for (auto& unit : units_) {
-    for (auto& p : unit->params()) out.push_back(p.get());
+  for (const auto& unit : units_) {
+    for (const auto& p : unit->params()) out.push_back(p.get());
   }
   return out;
 }
 
+// --- one step ------------------------------------------------------------------------------------
+
 void FsdpState::begin_step(bool sync) {
+  RECORD_FUNCTION("FSDP::root_pre_forward", c10::ArrayRef<const c10::IValue>{});
   sync_ = sync;
   for (auto& unit : units_) {
     // A previous forward without backward (e.g. the loss was not used) leaves units unsharded
     // or resharded-after-forward: bring them back to rest.
     unit->drop_pending_all_gather();
     if (!unit->is_root() && unit->is_unsharded()) unit->reshard(ShardedState::kSharded);
-    if (unit->sharded_state() == ShardedState::kShardedPostForward) {
-      unit->reshard_state_to_rest();
-    }
+    if (unit->sharded_state() == ShardedState::kReshardedAfterForward) unit->mark_at_rest();
     unit->set_training_state(TrainingState::kIdle);
   }
   FsdpParamGroup& root = root_unit();
   if (!root.params().empty() && !root.is_unsharded()) root.unshard();
   root.set_training_state(TrainingState::kForward);
+}
+
+void FsdpState::pre_forward(FsdpParamGroup& unit, std::vector<at::Tensor>& inputs) {
+  RECORD_FUNCTION("FSDP::pre_forward", c10::ArrayRef<const c10::IValue>{});
+  record_forward(unit);
+  unit.pre_forward();
+  // A recomputed forward runs during backward: no forward prefetch then. See Note
+  // [Checkpointed units] in fsdp_param_group.cpp.
+  if (config_.forward_prefetch && !fsdp::in_activation_recompute()) {
+    prefetch_after_forward_of(unit);
+  }
+  // Mixed precision: floating inputs compute in the parameters' dtype. FSDP2 casts at the root
+  // only; a unit may also receive fp32 from un-cast code (e.g. an fp32 buffer added to bf16
+  // activations), so every unit casts its own inputs (a no-op when they already match).
+  const auto& mp = config_.mixed_precision;
+  if (mp && mp->param_dtype) {
+    for (auto& x : inputs) {
+      if (x.defined() && x.is_floating_point() && x.scalar_type() != *mp->param_dtype) {
+        x = x.to(*mp->param_dtype);
+      }
+    }
+  }
+  if (!at::GradMode::is_enabled()) return;
+  // See Note [Post-backward function].
+  std::vector<at::Tensor> with_grad;
+  std::vector<size_t> where;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (inputs[i].defined() && inputs[i].requires_grad()) {
+      with_grad.push_back(inputs[i]);
+      where.push_back(i);
+    }
+  }
+  if (with_grad.empty()) return;
+  auto outputs = PostBackwardFunction::apply(at::TensorList(with_grad),
+                                             reinterpret_cast<int64_t>(this),
+                                             reinterpret_cast<int64_t>(&unit));
+  for (size_t k = 0; k < where.size(); ++k) inputs[where[k]] = outputs[k];
+}
+
+void FsdpState::post_forward(FsdpParamGroup& unit, at::Tensor& output) {
+  RECORD_FUNCTION("FSDP::post_forward", c10::ArrayRef<const c10::IValue>{});
+  unit.post_forward();
+  if (output.defined() && output.requires_grad() && at::GradMode::is_enabled()) {
+    std::weak_ptr<bool> alive = alive_;
+    FsdpParamGroup* u = &unit;
+    output.register_hook([this, u, alive](const at::Tensor&) {
+      if (is_alive(alive)) pre_backward(*u);
+    });
+  }
+}
+
+void FsdpState::pre_backward(FsdpParamGroup& unit) {
+  RECORD_FUNCTION("FSDP::pre_backward", c10::ArrayRef<const c10::IValue>{});
+  on_backward_start();
+  unit.pre_backward();
+  if (config_.backward_prefetch == BackwardPrefetch::kPre) prefetch_before_backward_of(unit);
+}
+
+void FsdpState::post_backward(FsdpParamGroup& unit) {
+  RECORD_FUNCTION("FSDP::post_backward", c10::ArrayRef<const c10::IValue>{});
+  if (!unit.post_backward(sync_)) return;  // another call of the unit is still in backward
+  if (sync_) reduce_scatter_issued(unit);
+  if (config_.backward_prefetch == BackwardPrefetch::kPost) prefetch_before_backward_of(unit);
 }
 
 void FsdpState::on_backward_start() {
@@ -157,17 +286,17 @@ void FsdpState::on_backward_start() {
   order_frozen_ = true;  // the forward order of this step drives prefetching from now on
   std::weak_ptr<bool> alive = alive_;
   torch::autograd::Engine::get_default_engine().queue_callback([this, alive] {
-    auto a = alive.lock();
-    if (a && *a) on_backward_end();
+    if (is_alive(alive)) on_backward_end();
   });
 }
 
 void FsdpState::on_backward_end() {
+  RECORD_FUNCTION("FSDP::root_post_backward", c10::ArrayRef<const c10::IValue>{});
   // Non-root units in reverse forward order, then the root: the same order on every rank.
   for (auto it = units_.rbegin(); it != units_.rend(); ++it) {
-    if (!(*it)->is_root()) (*it)->finalize_backward();
+    if (!(*it)->is_root()) (*it)->finalize_backward(sync_);
   }
-  root_unit().finalize_backward();
+  root_unit().finalize_backward(sync_);
   callback_queued_ = false;
 }
 
@@ -176,8 +305,8 @@ void FsdpState::on_backward_end() {
 // (W x shard numel). Waiting for every unit's reduce-scatter only in finish_step would keep all
 // those inputs alive until the end of backward: the full unsharded gradient of the model, which
 // is exactly what sharding gradients is meant to avoid (measured on transformer-small at world
-// 2: +117 MiB of peak). So when unit k issues its reduce-scatter, the one issued before it (unit
-// k+1 in backward order) is finished: waited for, its input freed, its output turned into
+// 2: +117 MiB of peak). So when unit k has issued its reduce-scatter, the one issued before it
+// (unit k+1 in backward order) is finished: waited for, its input freed, its output turned into
 // sharded gradients. At most one reduce-scatter is in flight and it still overlaps the next
 // unit's backward compute. The order in which units finish is the backward order, the same on
 // every rank, so the replicate-group all-reduce of hybrid sharding stays matched across ranks.
@@ -189,20 +318,21 @@ void FsdpState::reduce_scatter_issued(FsdpParamGroup& unit) {
 }
 
 void FsdpState::finish_step() {
+  RECORD_FUNCTION("FSDP::finish_step", c10::ArrayRef<const c10::IValue>{});
   reduce_scatter_in_flight_ = nullptr;
   // Backward ran without any hook of ours (e.g. loss.backward() called directly on a model
   // whose only unit is the root): finish the units now.
   bool unfinished = false;
   for (auto& unit : units_) {
     unfinished |= unit->is_unsharded() || unit->has_pending_all_gather() ||
-                  unit->sharded_state() == ShardedState::kShardedPostForward;
+                  unit->sharded_state() == ShardedState::kReshardedAfterForward;
   }
   if (unfinished) on_backward_end();
   for (auto& unit : units_) unit->finish_reduce_scatter();
   for (auto& unit : units_) {
     TORCH_INTERNAL_ASSERT(unit->sharded_state() == ShardedState::kSharded &&
                               !unit->has_pending_all_gather(),
-                          "[fully_shard] unit '", unit->name(), "' is ",
+                          "[FSDPStrategy] unit '", unit->name(), "' is ",
                           to_string(unit->sharded_state()), " after backward");
     unit->set_training_state(TrainingState::kIdle);
   }
@@ -213,7 +343,7 @@ void FsdpState::finish_eval_step() {
   for (auto& unit : units_) {
     unit->drop_pending_all_gather();
     if (unit->is_unsharded()) unit->reshard(ShardedState::kSharded);
-    if (unit->sharded_state() == ShardedState::kShardedPostForward) unit->reshard_state_to_rest();
+    if (unit->sharded_state() == ShardedState::kReshardedAfterForward) unit->mark_at_rest();
     unit->set_training_state(TrainingState::kIdle);
   }
 }
@@ -234,8 +364,8 @@ void FsdpState::finish_eval_step() {
 // parameter memory in flight at two units. Every rank takes the same decisions in the same
 // order, so the collectives match.
 void FsdpState::record_forward(FsdpParamGroup& unit) {
-  if (order_frozen_ || unit.order_index >= 0) return;
-  unit.order_index = static_cast<int>(forward_order_.size());
+  if (order_frozen_ || order_index_.count(&unit)) return;
+  order_index_[&unit] = static_cast<int>(forward_order_.size());
   forward_order_.push_back(&unit);
 }
 
@@ -258,8 +388,9 @@ bool FsdpState::may_prefetch(FsdpParamGroup& candidate) {
 }
 
 void FsdpState::prefetch_after_forward_of(FsdpParamGroup& unit) {
-  if (!order_frozen_ || unit.order_index < 0) return;
-  const size_t next = static_cast<size_t>(unit.order_index) + 1;
+  auto it = order_index_.find(&unit);
+  if (!order_frozen_ || it == order_index_.end()) return;
+  const size_t next = static_cast<size_t>(it->second) + 1;
   if (next >= forward_order_.size()) return;
   FsdpParamGroup& candidate = *forward_order_[next];
   if (candidate.sharded_state() != ShardedState::kSharded) return;
@@ -269,10 +400,11 @@ void FsdpState::prefetch_after_forward_of(FsdpParamGroup& unit) {
 }
 
 void FsdpState::prefetch_before_backward_of(FsdpParamGroup& unit) {
-  if (unit.order_index <= 0) return;
-  FsdpParamGroup& candidate = *forward_order_[unit.order_index - 1];
+  auto it = order_index_.find(&unit);
+  if (it == order_index_.end() || it->second <= 0) return;
+  FsdpParamGroup& candidate = *forward_order_[it->second - 1];
   // Only a unit that ran forward in this step and awaits its backward.
-  if (candidate.sharded_state() != ShardedState::kShardedPostForward) return;
+  if (candidate.sharded_state() != ShardedState::kReshardedAfterForward) return;
   if (candidate.training_state() != TrainingState::kForward) return;
   if (!may_prefetch(candidate)) return;
   candidate.issue_all_gather();

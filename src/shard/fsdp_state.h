@@ -1,18 +1,25 @@
-// FsdpState: all units of one model, their hooks, the step's bookkeeping and prefetching.
+// FsdpState: all units of one model, the hooks that drive them, the step's bookkeeping and
+// prefetching. Control flows down: each hook calls the unit's operation (fsdp_param_group.h),
+// then prefetches and does the bookkeeping across units (PyTorch FSDP2's FSDPState._pre_forward
+// calls fsdp_param_group.pre_forward, then _prefetch_unshard). Units never call the state.
 #pragma once
 
 #include "fsdp/comm.h"
 #include "fsdp/fsdp_strategy.h"
 #include "shard/fsdp_param_group.h"
 
+#include <map>
 #include <memory>
 #include <optional>
 #include <set>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace fsdp::detail {
 
+// The engine's configuration (one place builds it from FSDPOptions: make_fsdp_config in
+// options.h).
 struct FsdpConfig {
   bool reshard_after_forward = true;  // FULL_SHARD / HYBRID_SHARD
   bool forward_prefetch = false;
@@ -31,6 +38,7 @@ struct UnitSpec {
 class FsdpState {
  public:
   FsdpState(FsdpConfig config, ProcessGroupPtr shard_group, ProcessGroupPtr replicate_group);
+  // Removes the hooks from the units' modules that are still alive.
   ~FsdpState();
 
   // Assigns every parameter of `root` to the closest enclosing unit (or the root unit) and
@@ -38,6 +46,33 @@ class FsdpState {
   void build(torch::nn::Module& root, const std::vector<UnitSpec>& units);
   // Shards every parameter and installs the forward hooks on the units' modules.
   void materialize();
+
+  const FsdpConfig& config() const { return config_; }
+  std::vector<std::unique_ptr<FsdpParamGroup>>& units() { return units_; }  // root unit first
+  const std::vector<std::unique_ptr<FsdpParamGroup>>& units() const { return units_; }
+  FsdpParamGroup& root_unit() { return *units_.front(); }
+  std::vector<FsdpParam*> all_params() const;
+  const ProcessGroupPtr& shard_group() const { return shard_group_; }
+  const ProcessGroupPtr& replicate_group() const { return replicate_group_; }
+
+  // --- one step, driven by FSDPStrategy (fsdp/strategy.h call order).
+  void begin_step(bool sync);         // Strategy::pre_forward: the root unit's pre-forward
+  void on_backward_start();           // first pre-backward of a backward: queue the callback
+  void finish_step();                 // Strategy::post_backward: wait, check invariants
+  void finish_eval_step();            // Strategy::post_eval_step: reshard, drop prefetches
+
+  // --- the hooks (installed by materialize on every unit's module; see fsdp_state.cpp).
+  void pre_forward(FsdpParamGroup& unit, std::vector<at::Tensor>& inputs);
+  void post_forward(FsdpParamGroup& unit, at::Tensor& output);
+  void pre_backward(FsdpParamGroup& unit);
+  void post_backward(FsdpParamGroup& unit);
+  void on_backward_end();  // the queued end-of-backward callback
+
+  // Diagnostics (for tests): the recorded forward order, how many all-gathers were issued as
+  // prefetches and how many were skipped because of limit_all_gathers.
+  const std::vector<FsdpParamGroup*>& forward_order() const { return forward_order_; }
+  int64_t num_prefetches() const { return num_prefetches_; }
+  int64_t num_prefetches_limited() const { return num_prefetches_limited_; }
 
   // --- deferred initialization (src/shard/deferred_init.cpp). See Note [Deferred
   // initialization] there. Before build(): shards `module`'s parameters at once as a unit
@@ -52,47 +87,44 @@ class FsdpState {
   void restore_unselected_deferred(const std::vector<UnitSpec>& specs);
   void restore_all_deferred() { restore_unselected_deferred({}); }
 
-  const FsdpConfig& config() const { return config_; }
-  std::vector<std::unique_ptr<FsdpParamGroup>>& units() { return units_; }  // root unit first
-  FsdpParamGroup& root_unit() { return *units_.front(); }
-  std::vector<FsdpParam*> all_params();
-  const ProcessGroupPtr& shard_group() const { return shard_group_; }
-  const ProcessGroupPtr& replicate_group() const { return replicate_group_; }
-
-  // --- one step.
-  bool sync() const { return sync_; }
-  void begin_step(bool sync);           // Strategy::pre_forward: unshard the root unit
-  void on_backward_start();             // first pre-backward of a backward: queue the callback
-  void on_backward_end();               // the queued end-of-backward callback
-  bool backward_finalized() const { return !callback_queued_; }
-  void finish_step();                   // Strategy::post_backward: wait, check invariants
-  void finish_eval_step();              // reshard everything, drop prefetches
-  // A unit has just issued its reduce-scatter: finish the one issued before it (by another
-  // unit). See Note [One reduce-scatter in flight] in fsdp_state.cpp.
+ private:
+  std::unique_ptr<FsdpParamGroup> new_unit(std::string name, fsdp::nn::Module* module,
+                                           bool reshard);
+  // See Note [One reduce-scatter in flight] in fsdp_state.cpp.
   void reduce_scatter_issued(FsdpParamGroup& unit);
-
-  // --- prefetch. See Note [Prefetch] in fsdp_state.cpp.
+  // See Note [Prefetch] in fsdp_state.cpp.
   void record_forward(FsdpParamGroup& unit);
+  bool may_prefetch(FsdpParamGroup& candidate);
   void prefetch_after_forward_of(FsdpParamGroup& unit);
   void prefetch_before_backward_of(FsdpParamGroup& unit);
-  const std::vector<FsdpParamGroup*>& forward_order() const { return forward_order_; }
-
-  // Diagnostics: how many all-gathers were issued as prefetches and how many were skipped
-  // because of limit_all_gathers (for tests).
-  int64_t num_prefetches() const { return num_prefetches_; }
-  int64_t num_prefetches_limited() const { return num_prefetches_limited_; }
-
- private:
-  bool may_prefetch(FsdpParamGroup& candidate);
 
   FsdpConfig config_;
   ProcessGroupPtr shard_group_;
   ProcessGroupPtr replicate_group_;
   std::vector<std::unique_ptr<FsdpParamGroup>> units_;
+  // The forward hooks materialize() installed, removed again by the destructor.
+  struct InstalledHooks {
+    std::weak_ptr<torch::nn::Module> module;
+    fsdp::nn::Module* hooked;
+    int pre_forward;
+    int post_forward;
+  };
+  std::vector<InstalledHooks> hooks_;
+  // Cleared in the destructor: autograd hooks on tensors (pre-backward, post-backward function)
+  // may outlive us when a graph built under this state is run later; they check it.
+  std::shared_ptr<bool> alive_;
+
+  bool sync_ = true;
+  bool callback_queued_ = false;
+  FsdpParamGroup* reduce_scatter_in_flight_ = nullptr;
+  bool order_frozen_ = false;
+  std::vector<FsdpParamGroup*> forward_order_;
+  std::unordered_map<const FsdpParamGroup*, int> order_index_;  // position in forward_order_
+  int64_t num_prefetches_ = 0;
+  int64_t num_prefetches_limited_ = 0;
+
   // Deferred units in build order, their (module, name) registrations, and the groups that
   // build() adopted from them (already sharded: materialize() does not init them again).
-  std::unique_ptr<FsdpParamGroup> new_unit(std::string name, fsdp::nn::Module* module,
-                                           bool reshard);
   std::unique_ptr<FsdpParamGroup> take_deferred_unit(const torch::nn::Module* module,
                                                      const std::string& fqn);
   std::vector<std::unique_ptr<FsdpParamGroup>> deferred_;
@@ -101,16 +133,6 @@ class FsdpState {
   // Deferred units' modules stay alive until build() (a module built in configure_model and
   // dropped again is restored, not left dangling).
   std::vector<std::shared_ptr<torch::nn::Module>> deferred_keep_alive_;
-  // Cleared in the destructor; hooks on the modules check it (the model may outlive us).
-  std::shared_ptr<bool> alive_;
-
-  bool sync_ = true;
-  bool callback_queued_ = false;
-  FsdpParamGroup* reduce_scatter_in_flight_ = nullptr;
-  bool order_frozen_ = false;
-  std::vector<FsdpParamGroup*> forward_order_;
-  int64_t num_prefetches_ = 0;
-  int64_t num_prefetches_limited_ = 0;
 };
 
 }  // namespace fsdp::detail

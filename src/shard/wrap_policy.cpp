@@ -4,8 +4,6 @@
 
 #include <functional>
 #include <set>
-#include <typeinfo>
-#include <unordered_map>
 
 namespace fsdp {
 
@@ -17,7 +15,7 @@ AutoWrapPolicy AutoWrapPolicy::of_types(fsdp::nn::ModuleTypes types) {
 }
 
 AutoWrapPolicy AutoWrapPolicy::size_based(int64_t min_num_params) {
-  TORCH_CHECK(min_num_params > 0, "[auto_wrap_policy] size-based policy needs min_num_params > 0, "
+  TORCH_CHECK(min_num_params > 0, "[FSDPStrategy] AutoWrapPolicy::size_based needs min_num_params > 0, "
               "got ", min_num_params);
   AutoWrapPolicy p;
   p.kind = Kind::kSize;
@@ -27,7 +25,7 @@ AutoWrapPolicy AutoWrapPolicy::size_based(int64_t min_num_params) {
 
 AutoWrapPolicy AutoWrapPolicy::of_predicate(
     std::function<bool(const torch::nn::Module&, int64_t nparams)> predicate) {
-  TORCH_CHECK(static_cast<bool>(predicate), "[auto_wrap_policy] empty predicate");
+  TORCH_CHECK(static_cast<bool>(predicate), "[FSDPStrategy] AutoWrapPolicy::of_predicate: empty predicate");
   AutoWrapPolicy p;
   p.kind = Kind::kPredicate;
   p.predicate = std::move(predicate);
@@ -36,7 +34,7 @@ AutoWrapPolicy AutoWrapPolicy::of_predicate(
 
 AutoWrapPolicy parse_wrap_policy(const std::string& spec, const fsdp::nn::ModuleTypes& layer_types) {
   if (spec == "layers") {
-    TORCH_CHECK(!layer_types.empty(), "[--wrap-policy] 'layers': the model names no layer types");
+    TORCH_CHECK(!layer_types.empty(), "[FSDPStrategy] --wrap-policy 'layers': the model names no layer types");
     return AutoWrapPolicy::of_types(layer_types);
   }
   if (spec == "none") return AutoWrapPolicy::none();
@@ -47,17 +45,48 @@ AutoWrapPolicy parse_wrap_policy(const std::string& spec, const fsdp::nn::Module
       n = std::stoll(spec.substr(5), &used);
       TORCH_CHECK(used == spec.size() - 5, "trailing characters");
     } catch (const std::exception&) {
-      TORCH_CHECK(false, "[--wrap-policy] '", spec, "': N in size:N must be a whole number, e.g. "
+      TORCH_CHECK(false, "[FSDPStrategy] --wrap-policy '", spec, "': N in size:N must be a whole number, e.g. "
                   "size:1000000");
     }
     return AutoWrapPolicy::size_based(n);
   }
-  TORCH_CHECK(false, "[--wrap-policy] unknown policy '", spec,
+  TORCH_CHECK(false, "[FSDPStrategy] --wrap-policy: unknown policy '", spec,
               "'; valid forms: 'layers' (the model's encoder/decoder/GPT blocks), 'size:N' "
               "(wrap modules with at least N parameters), 'none' (root unit only)");
 }
 
 namespace detail {
+
+bool wraps_by_count(const AutoWrapPolicy& policy, const torch::nn::Module& module,
+                    int64_t nparams) {
+  return policy.kind == AutoWrapPolicy::Kind::kSize ? nparams >= policy.min_num_params
+                                                    : policy.predicate(module, nparams);
+}
+
+std::vector<fsdp::nn::Module*> choose_units_by_count(
+    torch::nn::Module& root, const AutoWrapPolicy& policy, bool root_may_wrap,
+    const std::function<bool(const torch::nn::Module&)>& taken) {
+  TORCH_INTERNAL_ASSERT(policy.kind == AutoWrapPolicy::Kind::kSize ||
+                        policy.kind == AutoWrapPolicy::Kind::kPredicate);
+  std::set<const c10::TensorImpl*> counted;
+  std::set<const torch::nn::Module*> done;
+  std::vector<fsdp::nn::Module*> chosen;  // post-order
+  std::function<int64_t(torch::nn::Module&)> count = [&](torch::nn::Module& m) -> int64_t {
+    if (!done.insert(&m).second || (taken && taken(m))) return 0;
+    int64_t n = 0;
+    for (auto& child : m.children()) n += count(*child);
+    for (auto& p : m.named_parameters(/*recurse=*/false)) {
+      if (counted.insert(p.value().unsafeGetTensorImpl()).second) n += p.value().numel();
+    }
+    auto* hooked = dynamic_cast<fsdp::nn::Module*>(&m);
+    if (hooked == nullptr || (&m == &root && !root_may_wrap)) return n;
+    if (!wraps_by_count(policy, m, n)) return n;
+    chosen.push_back(hooked);
+    return 0;
+  };
+  count(root);
+  return chosen;
+}
 
 std::vector<UnitSpec> select_units(torch::nn::Module& root, const AutoWrapPolicy& policy,
                                    const std::vector<fsdp::nn::Module*>& manual) {
@@ -82,7 +111,7 @@ std::vector<UnitSpec> select_units(torch::nn::Module& root, const AutoWrapPolicy
       if (marked.count(m)) units.push_back({static_cast<fsdp::nn::Module*>(m), fqn});
     }
     TORCH_CHECK(units.size() + marked.count(&root) == marked.size(),
-                "[fsdp::wrap] ", marked.size() - units.size(),
+                "[FSDPStrategy] fsdp::wrap: ", marked.size() - units.size(),
                 " wrapped module(s) are not registered under the model. HINT: assign the result "
                 "of fsdp::wrap(...) to a member registered with register_module.");
     return units;
@@ -95,7 +124,7 @@ std::vector<UnitSpec> select_units(torch::nn::Module& root, const AutoWrapPolicy
       for (auto& [m, fqn] : modules) {
         if (m == &root || !fsdp::nn::is_instance_of(*m, policy.types)) continue;
         auto* hooked = dynamic_cast<fsdp::nn::Module*>(m);
-        TORCH_CHECK(hooked != nullptr, "[auto_wrap_policy] module '", fqn, "' (", m->name(),
+        TORCH_CHECK(hooked != nullptr, "[FSDPStrategy] auto_wrap_policy: module '", fqn, "' (", m->name(),
                     ") matches the policy but is not an fsdp::nn::Module, so it has no forward "
                     "hooks to unshard it. HINT: derive the layer from fsdp::nn::Module.");
         units.push_back({hooked, fqn});
@@ -104,32 +133,9 @@ std::vector<UnitSpec> select_units(torch::nn::Module& root, const AutoWrapPolicy
     }
     case AutoWrapPolicy::Kind::kSize:
     case AutoWrapPolicy::Kind::kPredicate: {
-      // Children first: a module's count is the parameter elements no descendant unit took.
-      std::unordered_map<const torch::nn::Module*, std::string> fqn_of;
-      for (auto& [m, fqn] : modules) fqn_of.emplace(m, fqn);
-      std::set<const c10::TensorImpl*> counted;
-      std::set<const torch::nn::Module*> done;
-      std::vector<UnitSpec> chosen;  // post-order
-      std::function<int64_t(torch::nn::Module&)> count = [&](torch::nn::Module& m) -> int64_t {
-        if (!done.insert(&m).second) return 0;
-        int64_t n = 0;
-        for (auto& child : m.named_children()) n += count(*child.value());
-        for (auto& p : m.named_parameters(/*recurse=*/false)) {
-          if (counted.insert(p.value().unsafeGetTensorImpl()).second) n += p.value().numel();
-        }
-        auto* hooked = dynamic_cast<fsdp::nn::Module*>(&m);
-        if (&m == &root || hooked == nullptr) return n;
-        const bool wrap = policy.kind == AutoWrapPolicy::Kind::kSize
-                              ? n >= policy.min_num_params
-                              : policy.predicate(m, n);
-        if (!wrap) return n;
-        chosen.push_back({hooked, fqn_of[&m]});
-        return 0;
-      };
-      count(root);
-      // Report in pre-order, like the other policies.
-      std::set<const torch::nn::Module*> picked;
-      for (auto& u : chosen) picked.insert(u.module);
+      // Reported in pre-order, like the other policies.
+      auto chosen = choose_units_by_count(root, policy, /*root_may_wrap=*/false);
+      std::set<const torch::nn::Module*> picked(chosen.begin(), chosen.end());
       for (auto& [m, fqn] : modules) {
         if (picked.count(m)) units.push_back({static_cast<fsdp::nn::Module*>(m), fqn});
       }

@@ -1,7 +1,8 @@
 // "single": one process, no communication. The reference every parallel strategy is
 // compared against.
+#include "fsdp/single_strategy.h"
+
 #include "fsdp/lightning.h"
-#include "fsdp/trainer.h"
 
 #include <c10/util/Exception.h>
 #include <torch/nn/utils/clip_grad.h>
@@ -12,11 +13,7 @@ void SingleDeviceStrategy::connect(ProcessGroupPtr world, const LaunchInfo& laun
   const int size = world ? world->size() : launch.world_size;
   TORCH_CHECK(size == 1, "[strategy 'single'] runs one process, but the world has ", size,
               " ranks (devices x num_nodes, or the launcher's WORLD_SIZE). Use --devices 1, "
-              "or a parallel strategy: ", [] {
-                std::string s;
-                for (const auto& n : strategy_names()) s += (s.empty() ? "" : ", ") + n;
-                return s;
-              }());
+              "or a parallel strategy ('ddp', 'fsdp', ...; fsdp-train --help lists them all)");
   Strategy::connect(std::move(world), launch);
 }
 

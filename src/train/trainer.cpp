@@ -2,10 +2,10 @@
 // The strategy is driven exactly in the order of the comment at the top of fsdp/strategy.h.
 #include "fsdp/trainer.h"
 
+#include "common/text.h"
 #include "fsdp/comm.h"
-#include "fsdp/fsdp_strategy.h"
-#include "fsdp/precision.h"
 #include "fsdp/memory.h"
+#include "fsdp/precision.h"
 #include "train/csv_logger.h"
 #include "train/metrics.h"
 #include "train/progress_bar.h"
@@ -30,23 +30,11 @@ uint64_t g_last_seed = 0;
 
 const std::vector<std::string> kAccelerators = {"cpu", "auto", "cuda", "gpu"};
 
-std::string join(const std::vector<std::string>& names) {
-  std::string s;
-  for (const auto& n : names) s += (s.empty() ? "'" : ", '") + n + "'";
-  return s;
-}
-
 bool contains(const std::vector<std::string>& v, const std::string& x) {
   return std::find(v.begin(), v.end(), x) != v.end();
 }
 
 void check_precision(const std::string& p) { check_precision_supported(parse_precision(p)); }
-
-// "bf16-mixed" outside FSDP: CPU autocast around the steps, fp32 parameters (fsdp/precision.h).
-bool uses_cpu_autocast(const std::string& precision, const Strategy* strategy) {
-  return parse_precision(precision) == Precision::kBf16Mixed &&
-         dynamic_cast<const FSDPStrategy*>(strategy) == nullptr;
-}
 
 void check_accelerator(const std::string& a) {
   if (a == "cpu" || a == "auto") return;
@@ -60,7 +48,7 @@ void check_accelerator(const std::string& a) {
                 "yet. Use accelerator='cpu'.");
   }
   TORCH_CHECK(false, "[Trainer] unknown accelerator '", a, "'; valid values: ",
-              join(kAccelerators));
+              detail::quoted_list(kAccelerators));
 }
 
 void check_limit(const char* name, double v) {
@@ -196,16 +184,17 @@ void Trainer::print(const std::string& text) const {
   std::cout << text << (text.empty() || text.back() != '\n' ? "\n" : "") << std::flush;
 }
 
-void Trainer::setup_model(LightningModule& module, bool for_training) {
+void Trainer::setup_model(LightningModule& module) {
   module.attach_trainer(this);
   if (configured_module_ == &module) return;
   if (options_.seed >= 0) seed_everything(static_cast<uint64_t>(options_.seed));
-  // Precision (fsdp/precision.h): bf16-mixed under FSDP is a MixedPrecisionPolicy (set before
-  // configure_model, which may already shard); bf16-true / 64-true build the model in that dtype.
+  // Precision (fsdp/precision.h), before configure_model (which may already shard): a strategy
+  // may carry it out itself (FSDP: bf16-mixed is its MixedPrecisionPolicy); otherwise
+  // bf16-mixed runs the steps under CPU autocast, and bf16-true / 64-true build the model in
+  // that dtype.
   const Precision precision = parse_precision(options_.precision);
-  if (auto* fsdp = dynamic_cast<FSDPStrategy*>(strategy_.get())) {
-    if (precision == Precision::kBf16Mixed) fsdp->apply_default_mixed_precision(bf16_mixed_policy());
-  }
+  cpu_autocast_ =
+      !strategy_->connect_precision(precision) && precision == Precision::kBf16Mixed;
   const std::optional<at::ScalarType> true_dtype = true_precision_dtype(precision);
   {
     DefaultDtypeGuard default_dtype(true_dtype);
@@ -224,18 +213,9 @@ void Trainer::setup_model(LightningModule& module, bool for_training) {
       if (t.is_floating_point() && t.scalar_type() != *true_dtype) t.set_data(t.to(*true_dtype));
     }
   }
-  int64_t params = 0, trainable = 0;
-  for (const auto& p : module.parameters()) {
-    params += p.numel();
-    if (p.requires_grad()) trainable += p.numel();
-  }
-  results_.params = params;
-  results_.trainable_params = trainable;
   strategy_->setup_module(module);
-  if (auto* fsdp = dynamic_cast<FSDPStrategy*>(strategy_.get())) {
-    // Deferred init shards units inside configure_model: count full shapes, not shards.
-    std::tie(results_.params, results_.trainable_params) = fsdp->parameter_counts();
-  }
+  // Full shapes (FSDP's deferred init shards units inside configure_model already).
+  std::tie(results_.params, results_.trainable_params) = strategy_->parameter_counts(module);
   configured_module_ = &module;
 }
 
@@ -251,14 +231,109 @@ void Trainer::fit(LightningModule& module, DataLoader& train_loader, DataLoader&
   fit_impl(module, train_loader, &val_loader);
 }
 
+// One fit's loop state: what the step's parts below share.
+struct Trainer::FitLoop {
+  LightningModule& module;
+  DataLoader& train_loader;
+  DataLoader* val_loader;
+  OptimizerConfig opt;
+  // Shape of the run.
+  int64_t accumulate = 1;         // micro-batches per optimizer step (k)
+  int64_t batches_per_epoch = 0;  // after limit_train_batches
+  int64_t max_epochs = -1;        // -1: unlimited
+  int64_t total_steps = -1;       // optimizer steps to take (-1: unlimited)
+  int64_t val_every = 0;          // validate after every val_every training batches (0: epoch end)
+  bool run_val = false;
+  // Where the loop starts (after a resume) and what it measured.
+  int64_t start_epoch = 0;
+  int64_t start_batch = 0;
+  int64_t start_step = 0;
+  int64_t setup_peak_alloc = 0;
+  int64_t setup_peak_rss = 0;
+  Clock::time_point loop_start;
+  Clock::time_point first_step_done;
+  // Reporting.
+  std::unique_ptr<detail::CsvLogger> csv;
+  std::unique_ptr<detail::ProgressBar> bar;
+  detail::MetricTracker metrics;
+
+  FitLoop(LightningModule& m, DataLoader& train, DataLoader* val, OptimizerConfig o,
+          Strategy& strategy)
+      : module(m), train_loader(train), val_loader(val), opt(std::move(o)), metrics(strategy) {}
+  double loss_sum = 0;  // this rank's undivided training losses since the last step
+  int64_t loss_count = 0;
+  bool stop = false;
+};
+
+// The fit loop, as torchtitan's train -> train_step -> forward_backward_step: setup, then per
+// epoch and micro-batch train_micro_batch, at a boundary optimizer_step and report_step, then
+// validate when due; finish_fit gathers the results.
 void Trainer::fit_impl(LightningModule& module, DataLoader& train_loader,
                        DataLoader* val_loader) {
+  std::unique_ptr<FitLoop> loop = setup_fit(module, train_loader, val_loader);
+  FitLoop& L = *loop;
+  const int64_t k = L.accumulate;
+
+  module.train();
+  module.on_fit_start();
+  module.on_train_start();
+  for (const auto& cb : fit_callbacks_) cb->on_fit_start(*this, module);
+
+  L.loop_start = Clock::now();
+  L.stop = L.total_steps >= 0 && global_step_ >= L.total_steps;
+  for (int64_t epoch = L.start_epoch; !L.stop && (L.max_epochs < 0 || epoch < L.max_epochs);
+       ++epoch) {
+    current_epoch_ = epoch;
+    results_.epochs = epoch + 1;
+    train_loader.set_epoch(epoch);
+    module.on_train_epoch_start();
+    L.metrics.start_epoch();
+    L.loss_sum = 0;
+    L.loss_count = 0;
+
+    for (int64_t batch_idx = epoch == L.start_epoch ? L.start_batch : 0;
+         batch_idx < L.batches_per_epoch; ++batch_idx) {
+      const bool last_batch = batch_idx + 1 == L.batches_per_epoch;
+      const bool boundary = (batch_idx + 1) % k == 0 || last_batch;
+      train_micro_batch(L, train_loader.batch(batch_idx), batch_idx, boundary);
+      if (boundary) {
+        optimizer_step(L);
+        report_step(L);
+        next_epoch_ = last_batch ? epoch + 1 : epoch;
+        next_batch_ = last_batch ? 0 : batch_idx + 1;
+      }
+      for (const auto& cb : fit_callbacks_) cb->on_train_batch_end(*this, module, batch_idx);
+      if (L.run_val && ((L.val_every > 0 && (batch_idx + 1) % L.val_every == 0) ||
+                        (L.val_every == 0 && last_batch))) {
+        validate_during_fit(L);
+      }
+      if (L.stop) break;
+    }
+
+    auto epoch_values = L.metrics.finish_epoch();
+    if (L.csv && !epoch_values.empty()) L.csv->log(global_step_, epoch, epoch_values);
+    for (const auto& kv : epoch_values) results_.metrics[kv.first] = kv.second;
+    for (const auto& kv : epoch_values) callback_metrics_[kv.first] = kv.second;
+    for (const auto& cb : fit_callbacks_) cb->on_train_epoch_end(*this, module);
+    module.on_train_epoch_end();
+  }
+  module.on_train_end();
+  for (const auto& cb : fit_callbacks_) cb->on_train_end(*this, module);
+  if (L.bar) L.bar->finish();
+  finish_fit(L);
+}
+
+// Model (configure_model + the strategy's setup), optimizer, loaders, callbacks, resume, and
+// the shape of the run.
+std::unique_ptr<Trainer::FitLoop> Trainer::setup_fit(LightningModule& module,
+                                                     DataLoader& train_loader,
+                                                     DataLoader* val_loader) {
   const TrainerOptions& o = options_;
   results_ = FitResults{};
   global_step_ = 0;
   current_epoch_ = 0;
 
-  setup_model(module, /*for_training=*/true);
+  setup_model(module);
   OptimizerConfig opt = module.configure_optimizers();
   TORCH_CHECK(opt.optimizer, "[Trainer.fit] configure_optimizers() returned no optimizer; "
               "return {std::make_shared<torch::optim::Adam>(parameters(), ...)}");
@@ -275,177 +350,145 @@ void Trainer::fit_impl(LightningModule& module, DataLoader& train_loader,
   callback_metrics_.clear();
   setup_callbacks();  // options_.callbacks + the checkpoint_dir sugar (trainer_checkpoint.cpp)
   if (!resume_path_.empty()) resume_from_checkpoint();  // also restores callback states
+
+  auto loop = std::make_unique<FitLoop>(module, train_loader, val_loader, opt, *strategy_);
+  FitLoop& L = *loop;
   // Setup is done: remember its peaks and measure training on its own (see FitResults).
-  const int64_t setup_peak_alloc = memory_stats().peak_bytes;
-  const int64_t setup_peak_rss = peak_rss_bytes();
+  L.setup_peak_alloc = memory_stats().peak_bytes;
+  L.setup_peak_rss = peak_rss_bytes();
   reset_peak_memory_stats();
   reset_peak_rss();
-  const int64_t start_epoch = next_epoch_;
-  const int64_t start_batch = next_batch_;
-  const int64_t start_step = global_step_;  // > 0 when resumed
+  L.start_epoch = next_epoch_;
+  L.start_batch = next_batch_;
+  L.start_step = global_step_;  // > 0 when resumed
 
-  const int64_t k = o.accumulate_grad_batches;
-  const int64_t batches_per_epoch = limited_batches(train_loader.num_batches(),
-                                                    o.limit_train_batches);
+  L.accumulate = o.accumulate_grad_batches;
+  L.batches_per_epoch = limited_batches(train_loader.num_batches(), o.limit_train_batches);
   // Lightning steps at the last batch of an epoch even when fewer than k were accumulated.
-  const int64_t steps_per_epoch = (batches_per_epoch + k - 1) / k;
-  const int64_t max_epochs = (o.max_epochs < 0 && o.max_steps < 0) ? 1000 : o.max_epochs;
-  int64_t total_steps = -1;
-  if (o.max_steps >= 0) total_steps = o.max_steps;
-  if (max_epochs >= 0) {
-    const int64_t by_epochs = max_epochs * steps_per_epoch;
-    total_steps = total_steps < 0 ? by_epochs : std::min(total_steps, by_epochs);
+  const int64_t steps_per_epoch = (L.batches_per_epoch + L.accumulate - 1) / L.accumulate;
+  L.max_epochs = (o.max_epochs < 0 && o.max_steps < 0) ? 1000 : o.max_epochs;
+  if (o.max_steps >= 0) L.total_steps = o.max_steps;
+  if (L.max_epochs >= 0) {
+    const int64_t by_epochs = L.max_epochs * steps_per_epoch;
+    L.total_steps = L.total_steps < 0 ? by_epochs : std::min(L.total_steps, by_epochs);
   }
-  TORCH_CHECK(batches_per_epoch > 0 || total_steps == 0,
+  TORCH_CHECK(L.batches_per_epoch > 0 || L.total_steps == 0,
               "[Trainer.fit] the training loader yields no batches on rank ", global_rank(),
               " (num_batches ", train_loader.num_batches(), ", limit_train_batches ",
               o.limit_train_batches, "); give the dataset more samples or a smaller batch size");
-
-  int64_t val_every = 0;  // validate after every val_every training batches (0: epoch end)
   if (o.val_check_interval >= 1) {
-    val_every = static_cast<int64_t>(o.val_check_interval);
+    L.val_every = static_cast<int64_t>(o.val_check_interval);
   } else if (o.val_check_interval > 0) {
-    val_every = std::max<int64_t>(1, static_cast<int64_t>(batches_per_epoch *
-                                                          o.val_check_interval));
+    L.val_every = std::max<int64_t>(
+        1, static_cast<int64_t>(L.batches_per_epoch * o.val_check_interval));
   }
-  const bool run_val = val_loader != nullptr && o.limit_val_batches != 0;
+  L.run_val = val_loader != nullptr && o.limit_val_batches != 0;
 
-  std::unique_ptr<detail::CsvLogger> csv;
   if (is_global_zero() && o.logger) {
-    csv = std::make_unique<detail::CsvLogger>(o.default_root_dir);
-    results_.log_dir = csv->dir();
+    L.csv = std::make_unique<detail::CsvLogger>(o.default_root_dir);
+    results_.log_dir = L.csv->dir();
   }
-  std::unique_ptr<detail::ProgressBar> bar;
   if (is_global_zero() && o.enable_progress_bar) {
-    bar = std::make_unique<detail::ProgressBar>(
-        std::cout, detail::ProgressBar::stdout_is_terminal(), total_steps, o.log_every_n_steps);
+    L.bar = std::make_unique<detail::ProgressBar>(
+        std::cout, detail::ProgressBar::stdout_is_terminal(), L.total_steps, o.log_every_n_steps);
   }
-  detail::MetricTracker metrics(*strategy_);
+  return loop;
+}
 
-  auto validate_now = [&] {
-    auto val = evaluate(module, *val_loader, "val");
-    module.on_validation_epoch_end();
-    module.train();
-    if (csv && !val.empty()) csv->log(global_step_, current_epoch_, val);
-    for (const auto& kv : val) results_.metrics[kv.first] = kv.second;
-    for (const auto& kv : val) callback_metrics_[kv.first] = kv.second;
-    metrics.set_progress_bar_extra(val);
-    for (const auto& cb : fit_callbacks_) cb->on_validation_end(*this, module);
-  };
-
-  module.train();
-  module.on_fit_start();
-  module.on_train_start();
-  for (const auto& cb : fit_callbacks_) cb->on_fit_start(*this, module);
-
-  const auto loop_start = Clock::now();
-  Clock::time_point first_step_done;
-  bool stop = total_steps >= 0 && global_step_ >= total_steps;
-  for (int64_t epoch = start_epoch; !stop && (max_epochs < 0 || epoch < max_epochs); ++epoch) {
-    current_epoch_ = epoch;
-    results_.epochs = epoch + 1;
-    train_loader.set_epoch(epoch);
-    module.on_train_epoch_start();
-    metrics.start_epoch();
-    double loss_sum = 0;  // this rank's undivided training losses since the last step
-    int64_t loss_count = 0;
-
-    for (int64_t batch_idx = epoch == start_epoch ? start_batch : 0;
-         batch_idx < batches_per_epoch; ++batch_idx) {
-      const bool last_batch = batch_idx + 1 == batches_per_epoch;
-      const bool boundary = (batch_idx + 1) % k == 0 || last_batch;
-      const Batch batch = train_loader.batch(batch_idx);
-
-      // --- one micro-batch (strategy.h call order).
-      strategy_->pre_forward(module, /*sync=*/boundary);
-      module.logged().clear();
-      at::Tensor loss;
-      {
-        CpuAutocastGuard autocast(uses_cpu_autocast(o.precision, strategy_.get()));
-        loss = module.training_step(batch, batch_idx);
-      }
-      TORCH_CHECK(loss.defined() && loss.numel() == 1,
-                  "[Trainer.fit] training_step must return the scalar loss (got ",
-                  loss.defined() ? "a tensor of shape " + c10::str(loss.sizes())
-                                 : std::string("an undefined tensor"),
-                  ") at epoch ", epoch, " batch ", batch_idx);
-      TORCH_CHECK(loss.requires_grad(), "[Trainer.fit] the loss returned by training_step at "
-                  "batch ", batch_idx, " does not require grad: it is not connected to any "
-                  "trainable parameter (was it computed under NoGradGuard or detached?)");
-      strategy_->backward(k > 1 ? loss / static_cast<double>(k) : loss);
-      strategy_->post_backward(module, /*sync=*/boundary);
-      loss_sum += loss.detach().item<double>();
-      ++loss_count;
-      ++results_.micro_batches;
-      metrics.collect_training(module.logged());
-
-      if (boundary) {
-        // --- one optimizer step.
-        module.on_before_optimizer_step(*opt.optimizer);
-        if (o.gradient_clip_val > 0) strategy_->clip_grad_norm(module, o.gradient_clip_val);
-        strategy_->optimizer_step(*opt.optimizer);
-        strategy_->zero_grad(*opt.optimizer);
-        if (opt.scheduler) opt.scheduler->step();
-        ++global_step_;
-        if (global_step_ == start_step + 1) first_step_done = Clock::now();
-
-        // The only per-step collective: the mean loss (and sync_dist step metrics) over ranks.
-        const bool log_now = global_step_ % o.log_every_n_steps == 0;
-        const double global_loss = metrics.finish_step(loss_sum / loss_count);
-        loss_sum = 0;
-        loss_count = 0;
-        results_.losses.push_back(global_loss);
-        results_.step_end_seconds.push_back(seconds_since(loop_start));
-        for (const auto& kv : metrics.step_values()) callback_metrics_[kv.first] = kv.second;
-        results_.steps = global_step_;
-        if (bar) bar->update(global_step_, epoch, global_loss, metrics.progress_bar_values());
-        if (csv && log_now) {
-          auto row = metrics.step_values();
-          if (!row.empty()) csv->log(global_step_, epoch, row);
-        }
-        if (total_steps >= 0 && global_step_ >= total_steps) stop = true;
-        next_epoch_ = last_batch ? epoch + 1 : epoch;
-        next_batch_ = last_batch ? 0 : batch_idx + 1;
-      }
-      for (const auto& cb : fit_callbacks_) cb->on_train_batch_end(*this, module, batch_idx);
-
-      if (run_val && ((val_every > 0 && (batch_idx + 1) % val_every == 0) ||
-                      (val_every == 0 && last_batch))) {
-        validate_now();
-      }
-      if (stop) break;
-    }
-
-    auto epoch_values = metrics.finish_epoch();
-    if (csv && !epoch_values.empty()) csv->log(global_step_, epoch, epoch_values);
-    for (const auto& kv : epoch_values) results_.metrics[kv.first] = kv.second;
-    for (const auto& kv : epoch_values) callback_metrics_[kv.first] = kv.second;
-    for (const auto& cb : fit_callbacks_) cb->on_train_epoch_end(*this, module);
-    module.on_train_epoch_end();
+// One micro-batch, in the strategy's call order (fsdp/strategy.h): forward under the
+// strategy's hooks, backward, gradient reduction (none on a non-boundary micro-batch).
+void Trainer::train_micro_batch(FitLoop& L, const Batch& batch, int64_t batch_idx,
+                                bool boundary) {
+  const int64_t k = L.accumulate;
+  strategy_->pre_forward(L.module, /*sync=*/boundary);
+  L.module.logged().clear();
+  at::Tensor loss;
+  {
+    CpuAutocastGuard autocast(cpu_autocast_);
+    loss = L.module.training_step(batch, batch_idx);
   }
-  module.on_train_end();
-  for (const auto& cb : fit_callbacks_) cb->on_train_end(*this, module);
-  if (bar) bar->finish();
+  TORCH_CHECK(loss.defined() && loss.numel() == 1,
+              "[Trainer.fit] training_step must return the scalar loss (got ",
+              loss.defined() ? "a tensor of shape " + c10::str(loss.sizes())
+                             : std::string("an undefined tensor"),
+              ") at epoch ", current_epoch_, " batch ", batch_idx);
+  TORCH_CHECK(loss.requires_grad(), "[Trainer.fit] the loss returned by training_step at "
+              "batch ", batch_idx, " does not require grad: it is not connected to any "
+              "trainable parameter (was it computed under NoGradGuard or detached?)");
+  strategy_->backward(k > 1 ? loss / static_cast<double>(k) : loss);
+  strategy_->post_backward(L.module, /*sync=*/boundary);
+  L.loss_sum += loss.detach().item<double>();
+  ++L.loss_count;
+  ++results_.micro_batches;
+  L.metrics.collect_training(L.module.logged());
+}
 
-  results_.seconds = seconds_since(loop_start);
-  if (global_step_ - start_step > 1) {
-    results_.it_per_s = (global_step_ - start_step - 1) /
-                        std::max(1e-9, seconds_since(first_step_done));
-  } else if (global_step_ - start_step == 1) {
+// One optimizer step: clip, step on the (sharded) parameters, free the gradients, schedule.
+void Trainer::optimizer_step(FitLoop& L) {
+  L.module.on_before_optimizer_step(*L.opt.optimizer);
+  if (options_.gradient_clip_val > 0) {
+    strategy_->clip_grad_norm(L.module, options_.gradient_clip_val);
+  }
+  strategy_->optimizer_step(*L.opt.optimizer);
+  strategy_->zero_grad(*L.opt.optimizer);
+  if (L.opt.scheduler) L.opt.scheduler->step();
+  ++global_step_;
+  if (global_step_ == L.start_step + 1) L.first_step_done = Clock::now();
+  if (L.total_steps >= 0 && global_step_ >= L.total_steps) L.stop = true;
+}
+
+// After an optimizer step: the global mean loss and sync_dist step metrics (the only per-step
+// collective), the progress bar and the CSV row.
+void Trainer::report_step(FitLoop& L) {
+  const bool log_now = global_step_ % options_.log_every_n_steps == 0;
+  const double global_loss = L.metrics.finish_step(L.loss_sum / L.loss_count);
+  L.loss_sum = 0;
+  L.loss_count = 0;
+  results_.losses.push_back(global_loss);
+  results_.step_end_seconds.push_back(seconds_since(L.loop_start));
+  for (const auto& kv : L.metrics.step_values()) callback_metrics_[kv.first] = kv.second;
+  results_.steps = global_step_;
+  if (L.bar) {
+    L.bar->update(global_step_, current_epoch_, global_loss, L.metrics.progress_bar_values());
+  }
+  if (L.csv && log_now) {
+    auto row = L.metrics.step_values();
+    if (!row.empty()) L.csv->log(global_step_, current_epoch_, row);
+  }
+}
+
+// Validation inside fit (val_check_interval, or the end of an epoch).
+void Trainer::validate_during_fit(FitLoop& L) {
+  auto val = evaluate(L.module, *L.val_loader, "val");
+  L.module.on_validation_epoch_end();
+  L.module.train();
+  if (L.csv && !val.empty()) L.csv->log(global_step_, current_epoch_, val);
+  for (const auto& kv : val) results_.metrics[kv.first] = kv.second;
+  for (const auto& kv : val) callback_metrics_[kv.first] = kv.second;
+  L.metrics.set_progress_bar_extra(val);
+  for (const auto& cb : fit_callbacks_) cb->on_validation_end(*this, L.module);
+}
+
+// Speed, per-rank memory (collective on every rank) and the end-of-run summary.
+void Trainer::finish_fit(FitLoop& L) {
+  results_.seconds = seconds_since(L.loop_start);
+  const int64_t steps = global_step_ - L.start_step;
+  if (steps > 1) {
+    results_.it_per_s = (steps - 1) / std::max(1e-9, seconds_since(L.first_step_done));
+  } else if (steps == 1) {
     results_.it_per_s = 1.0 / std::max(1e-9, results_.seconds);
   }
-  for (const auto& kv : metrics.last_values()) {
+  for (const auto& kv : L.metrics.last_values()) {
     if (!results_.metrics.count(kv.first)) results_.metrics[kv.first] = kv.second;
   }
 
-  // Collective on every rank: memory per rank.
   RankMemory mem = gather_memory(*world_);
   results_.peak_alloc_bytes = mem.peak_bytes;
   results_.peak_rss_bytes = mem.peak_rss_bytes;
   {
     at::Tensor mine = at::empty({2}, at::kLong);
-    mine[0] = setup_peak_alloc;
-    mine[1] = setup_peak_rss;
+    mine[0] = L.setup_peak_alloc;
+    mine[1] = L.setup_peak_rss;
     at::Tensor all = at::empty({2 * world_size()}, at::kLong);
     world_->all_gather_into_tensor(all, mine);
     for (int r = 0; r < world_size(); ++r) {
@@ -453,33 +496,31 @@ void Trainer::fit_impl(LightningModule& module, DataLoader& train_loader,
       results_.setup_peak_rss_bytes.push_back(all[2 * r + 1].item<int64_t>());
     }
   }
-  if (o.enable_summary) {
-    std::string table = memory_summary(*world_);
-    if (is_global_zero()) {
-      std::ostringstream os;
-      os << std::fixed << std::setprecision(2) << "[fsdp] fit done: " << global_step_
-         << " steps, " << results_.epochs << " epoch(s), " << results_.seconds << " s; "
-         << results_.it_per_s << " it/s ("
-         << (global_step_ > 1 ? "steps 2.." + std::to_string(global_step_) +
-                                    "; step 1 is warm-up and excluded"
-                              : std::string("one step, warm-up included"))
-         << "); strategy " << strategy_->name() << ", world " << world_size() << ", "
-         << results_.params << " parameters";
-      if (!results_.losses.empty()) {
-        os << std::setprecision(4) << ", final loss " << results_.losses.back();
-      }
-      if (!results_.metrics.empty()) {
-        os << "\n[fsdp] last logged metrics:";
-        for (const auto& [name, value] : results_.metrics) os << " " << name << " " << value;
-      }
-      os << "\n" << table;
-      print(os.str());
-    }
+  if (!options_.enable_summary) return;
+  std::string table = memory_summary(*world_);
+  if (!is_global_zero()) return;
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(2) << "[fsdp] fit done: " << global_step_ << " steps, "
+     << results_.epochs << " epoch(s), " << results_.seconds << " s; " << results_.it_per_s
+     << " it/s ("
+     << (global_step_ > 1 ? "steps 2.." + std::to_string(global_step_) +
+                                "; step 1 is warm-up and excluded"
+                          : std::string("one step, warm-up included"))
+     << "); strategy " << strategy_->name() << ", world " << world_size() << ", "
+     << results_.params << " parameters";
+  if (!results_.losses.empty()) {
+    os << std::setprecision(4) << ", final loss " << results_.losses.back();
   }
+  if (!results_.metrics.empty()) {
+    os << "\n[fsdp] last logged metrics:";
+    for (const auto& [name, value] : results_.metrics) os << " " << name << " " << value;
+  }
+  os << "\n" << table;
+  print(os.str());
 }
 
 std::map<std::string, double> Trainer::validate(LightningModule& module, DataLoader& loader) {
-  setup_model(module, /*for_training=*/false);
+  setup_model(module);
   distribute(loader, world_size(), global_rank());
   auto out = evaluate(module, loader, "val");
   module.on_validation_epoch_end();
@@ -487,7 +528,7 @@ std::map<std::string, double> Trainer::validate(LightningModule& module, DataLoa
 }
 
 std::map<std::string, double> Trainer::test(LightningModule& module, DataLoader& loader) {
-  setup_model(module, /*for_training=*/false);
+  setup_model(module);
   distribute(loader, world_size(), global_rank());
   return evaluate(module, loader, "test");
 }
@@ -505,7 +546,7 @@ std::map<std::string, double> Trainer::evaluate(LightningModule& module, DataLoa
     const Batch batch = loader.batch(i);
     strategy_->pre_forward(module, /*sync=*/false);
     module.logged().clear();
-    CpuAutocastGuard autocast(uses_cpu_autocast(options_.precision, strategy_.get()));
+    CpuAutocastGuard autocast(cpu_autocast_);
     if (stage == "val") {
       module.validation_step(batch, i);
     } else {
@@ -520,7 +561,7 @@ std::map<std::string, double> Trainer::evaluate(LightningModule& module, DataLoa
 }
 
 std::vector<at::Tensor> Trainer::predict(LightningModule& module, DataLoader& loader) {
-  setup_model(module, /*for_training=*/false);
+  setup_model(module);
   distribute(loader, world_size(), global_rank());
   const bool was_training = module.is_training();
   module.eval();
@@ -531,7 +572,7 @@ std::vector<at::Tensor> Trainer::predict(LightningModule& module, DataLoader& lo
     strategy_->pre_forward(module, /*sync=*/false);
     at::Tensor out;
     {
-      CpuAutocastGuard autocast(uses_cpu_autocast(options_.precision, strategy_.get()));
+      CpuAutocastGuard autocast(cpu_autocast_);
       out = module.predict_step(batch, i);
     }
     strategy_->post_eval_step(module);
