@@ -332,16 +332,8 @@ int run_ddp_hooks(const std::vector<std::string>& args) {
   }
   add_ratios(runs);
   out["runs"] = runs;
-  out["load_average_end"] = fsdp::bench::load_average();
   out["work_dir"] = root.string();
-  out["markdown"] = markdown_table(out);
-  std::cout << out.dump(2) << std::endl;
-  std::cerr << out["markdown"].get<std::string>();
-  if (!o.markdown.empty()) std::ofstream(o.markdown) << out["markdown"].get<std::string>();
-  for (const auto& r : runs) {
-    if (r["system"] == "fsdp.cpp" && r.contains("error")) return 1;
-  }
-  return 0;
+  return fsdp::bench::print_report(out, o.markdown, markdown_table);
 }
 
 fsdp::bench::Registrar reg("ddp-hooks",

@@ -273,17 +273,8 @@ int run_peers(const std::vector<std::string>& args) {
   }
   out["baseline"] = base ? json("pytorch-ddp") : json(nullptr);
   out["runs"] = runs;
-  out["load_average_end"] = fsdp::bench::load_average();
   out["work_dir"] = run.dir.string();
-  out["markdown"] = markdown_table(out);
-  std::cout << out.dump(2) << std::endl;
-  std::cerr << out["markdown"].get<std::string>();
-  if (!o.markdown.empty()) std::ofstream(o.markdown) << out["markdown"].get<std::string>();
-  // Exit status: fsdp.cpp's own runs must work; a peer's failure is data (in the table).
-  for (const auto& r : runs) {
-    if (r["system"] == "fsdp.cpp" && r.contains("error")) return 1;
-  }
-  return 0;
+  return fsdp::bench::print_report(out, o.markdown, markdown_table);
 }
 
 fsdp::bench::Registrar reg("peers",

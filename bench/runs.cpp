@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <iostream>
 #include <sstream>
 #include <thread>
 
@@ -218,6 +219,19 @@ std::vector<std::string> split_list(const std::string& comma_list) {
     if (!item.empty()) v.push_back(item);
   }
   return v;
+}
+
+int print_report(nlohmann::json& out, const std::string& markdown_file,
+                 const std::function<std::string(const nlohmann::json&)>& markdown_table) {
+  out["load_average_end"] = load_average();
+  out["markdown"] = markdown_table(out);
+  std::cout << out.dump(2) << std::endl;
+  std::cerr << out["markdown"].get<std::string>();
+  if (!markdown_file.empty()) std::ofstream(markdown_file) << out["markdown"].get<std::string>();
+  for (const auto& r : out["runs"]) {
+    if (r["system"] == "fsdp.cpp" && r.contains("error")) return 1;
+  }
+  return 0;
 }
 
 nlohmann::json it_per_s(const std::vector<double>& step_end_seconds, int warmup) {

@@ -19,13 +19,11 @@ _orthogonalize to treat a 2-D matrix as a batch of one, and says so in its JSON 
 post_localSGD_hook with subgroup=None calls dist.new_subgroups(), which needs CUDA to pick a
 size; the subgroups are made here with the given --subgroup-size.
 """
-import json
 import os
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -150,9 +148,7 @@ def main():
     mirror.check_args(args, mirror.Batches(args.batches))
     if args.strategy != "ddp" or args.world < 2:
         raise SystemExit("[ddp_hooks_peer] pass --strategy ddp and --world >= 2")
-    results = mp.get_context("spawn").Queue()
-    mp.spawn(train, args=(args, mirror.free_port(), results), nprocs=args.world, join=True)
-    print(json.dumps(results.get(timeout=60)), flush=True)
+    mirror.run_ranks_and_print(train, args)
     return 0
 
 
