@@ -1,10 +1,10 @@
 // fsdp-bench: benchmarks that print JSON. Subcommands live in bench/*.cpp.
-#include <CLI/CLI.hpp>
 
 #include <cstdio>
 #include <iostream>
 
 #include "../bench/bench.h"
+#include "cli.h"
 
 namespace fsdp::bench {
 
@@ -18,16 +18,7 @@ std::optional<int> parse_args(CLI::App& app, const std::string& subcommand,
   const std::string prog = "fsdp-bench " + subcommand;
   std::vector<const char*> argv = {prog.c_str()};
   for (const auto& a : args) argv.push_back(a.c_str());
-  try {
-    app.parse(static_cast<int>(argv.size()), argv.data());
-  } catch (const CLI::CallForHelp&) {
-    std::cout << app.help();
-    return 0;
-  } catch (const CLI::ParseError& e) {
-    std::cerr << prog << ": error: " << e.what() << "\n";
-    return 2;
-  }
-  return std::nullopt;
+  return fsdp::cli::parse(app, static_cast<int>(argv.size()), argv.data(), prog);
 }
 
 std::filesystem::path self_dir() {

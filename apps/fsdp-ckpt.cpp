@@ -9,11 +9,12 @@
 // (at most the largest tensor), never the model. Errors print one line and exit 1.
 #include <fsdp/checkpoint.h>
 
-#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
 #include <iostream>
 #include <string>
+
+#include "cli.h"
 
 namespace {
 
@@ -72,12 +73,12 @@ int main(int argc, char** argv) {
   ins->add_flag("--json", as_json, "print JSON");
   auto* conv = app.add_subcommand("convert", "consolidate to one safetensors file, or reshard");
   conv->add_option("--to", to, "safetensors (one file of model weights) | sharded")
-      ->check(CLI::IsMember({"safetensors", "sharded"}));
-  conv->add_option("--world", world, "--to sharded: ranks to shard for")->check(CLI::PositiveNumber);
+      ->check(fsdp::cli::one_of({"safetensors", "sharded"}));
+  conv->add_option("--world", world, "--to sharded: ranks to shard for")->check(fsdp::cli::at_least(1));
   conv->add_option("input", in, "checkpoint directory (full or sharded)")->required();
   conv->add_option("output", out, "output .safetensors file (or directory for --to sharded)")
       ->required();
-  CLI11_PARSE(app, argc, argv);
+  if (auto code = fsdp::cli::parse(app, argc, argv, "fsdp-ckpt")) return *code;
   try {
     if (ins->parsed()) return inspect(path, as_json);
     if (to == "sharded") {

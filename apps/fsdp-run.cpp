@@ -7,12 +7,13 @@
 //   fsdp-run -n 4 --backend mpi -- prog        (runs `mpirun -n 4 ... prog`, see Note [MPI launch])
 #include <signal.h>
 #include <unistd.h>
-#include <CLI/CLI.hpp>
 
 #include <cstdio>
 #include <iostream>
 
+#include "cli.h"
 #include "comm/launcher_detail.h"
+#include "comm/rendezvous.h"
 
 namespace {
 
@@ -20,6 +21,26 @@ fsdp::detail::Supervisor* g_sup = nullptr;
 
 void on_stop_signal(int sig) {
   if (g_sup) g_sup->request_stop(sig);
+}
+
+// See Note [Rendezvous handshake]. One node: nobody else joins, a random id. More nodes: each
+// node's fsdp-run must find the same id by itself, so it is a digest of what they share (the
+// command and the master's address), not of what may differ by mistake (-n, --nnodes: those
+// mismatches get their own message).
+std::string default_job_id(int nnodes, const std::vector<std::string>& command,
+                           const std::string& master_addr, int master_port) {
+  if (nnodes == 1) return fsdp::detail::random_job_id();
+  uint64_t h = 1469598103934665603ull;  // FNV-1a
+  auto mix = [&h](const std::string& s) {
+    for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+    h = (h ^ 0xff) * 1099511628211ull;
+  };
+  for (const auto& a : command) mix(a);
+  mix(master_addr);
+  mix(std::to_string(master_port));
+  char out[17];
+  std::snprintf(out, sizeof(out), "%016llx", static_cast<unsigned long long>(h));
+  return out;
 }
 
 }  // namespace
@@ -34,37 +55,47 @@ int main(int argc, char** argv) {
   std::string backend = "gloo";
   std::vector<std::string> command;
   double grace = 3.0;
+  std::string job_id = get_env("FSDP_JOB_ID");
   app.add_option("-n,--nproc-per-node", nproc, "ranks on this node")
       ->required()
-      ->check(CLI::Range(1, 4096));
+      ->check(fsdp::cli::between(1, 4096));
   app.add_option("--nnodes", nnodes, "number of nodes (run fsdp-run on each)")
-      ->check(CLI::Range(1, 1 << 20));
+      ->check(fsdp::cli::between(1, 1 << 20));
   app.add_option("--node-rank", node_rank, "index of this node, 0..nnodes-1")
-      ->check(CLI::NonNegativeNumber);
+      ->check(fsdp::cli::at_least(0));
   app.add_option("--master-addr", master_addr, "address of node 0 (rank 0's host)");
   app.add_option("--master-port", master_port,
                  "TCP port on node 0 for the rendezvous (default: MASTER_PORT, or a free port "
                  "when --nnodes 1)")
-      ->check(CLI::Range(1, 65535));
+      ->check(fsdp::cli::between(1, 65535));
   app.add_option("--backend", backend, "gloo (default, spawns ranks) or mpi (runs mpirun)")
-      ->check(CLI::IsMember({"gloo", "mpi", "auto"}));
+      ->check(fsdp::cli::one_of({"gloo", "mpi", "auto"}));
   app.add_option("--kill-grace", grace,
                  "seconds between SIGTERM and SIGKILL when stopping ranks after a failure")
-      ->check(CLI::Range(0.0, 3600.0));
+      ->check(fsdp::cli::between(0.0, 3600.0));
+  app.add_option("--job-id", job_id,
+                 "the job's id, the same on every node: ranks of another job are refused at "
+                 "the rendezvous (default: FSDP_JOB_ID; else random with --nnodes 1, a digest "
+                 "of the command and master address with more nodes)");
   app.add_option("command", command, "PROGRAM ARGS... (after --)")->required();
-  CLI11_PARSE(app, argc, argv);
+  if (auto code = fsdp::cli::parse(app, argc, argv, "fsdp-run")) return *code;
 
   try {
     TORCH_CHECK(node_rank < nnodes, "[fsdp-run] --node-rank ", node_rank,
                 " must be below --nnodes ", nnodes);
-    if (master_port == 0 && has_env("MASTER_PORT"))
-      master_port = std::atoi(get_env("MASTER_PORT").c_str());
+    if (master_port == 0 && has_env("MASTER_PORT")) {
+      const std::string text = get_env("MASTER_PORT");
+      const std::string why = fsdp::cli::detail::parse_as<int>(text, master_port);
+      TORCH_CHECK(why.empty() && master_port >= 1 && master_port <= 65535,
+                  "[fsdp-run] MASTER_PORT='", text, "' is not a TCP port (1 to 65535)");
+    }
     if (master_port == 0) {
       TORCH_CHECK(nnodes == 1, "[fsdp-run] --nnodes ", nnodes,
                   " needs --master-port (the same "
                   "port on every node; rank 0's node listens on it)");
       master_port = free_port();
     }
+    if (job_id.empty()) job_id = default_job_id(nnodes, command, master_addr, master_port);
     int world = nproc * nnodes;
     int threads = threads_per_rank(nproc);
 
@@ -108,6 +139,7 @@ int main(int argc, char** argv) {
           {"OMP_NUM_THREADS", std::to_string(threads)},
           {kEnvNumThreads, std::to_string(threads)},
           {kEnvLauncher, "fsdp-run"},
+          {"FSDP_JOB_ID", job_id},
       };
       sup.spawn({rank, command, make_env(env)});
     }

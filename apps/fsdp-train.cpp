@@ -10,20 +10,26 @@
 // line and exits 2; an error during the run prints "[rank R] error: ..." once and exits 1 (all
 // ranks stop).
 #include <fsdp/checkpoint.h>
+#include <fsdp/cpu_adam.h>
 #include <fsdp/fsdp.h>
 
-#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
+
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <iomanip>
 #include <limits>
 #include <iostream>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <vector>
+
+#include "cli.h"
 
 namespace {
 
@@ -97,6 +103,7 @@ struct Args {
   std::string optimizer = "adam";
   double lr = 1e-3;
   double weight_decay = 0;
+  double adam_eps = 1e-8;
   // Data
   std::string data = "synthetic";
   std::string data_dir = "data/wikitext-2";
@@ -109,6 +116,7 @@ struct Args {
   std::string save_batches;  // write the run's micro-batches (every rank's) here and exit
   std::string save_initial_weights;  // rank 0 writes the weights training starts from here
   std::string ckpt_path;
+  std::string deepspeed_config;  // DeepSpeedOptions::config (strategy deepspeed*)
 
   Args() {  // this program's defaults where they differ from the library's
     trainer.max_steps = 100;
@@ -144,8 +152,13 @@ std::shared_ptr<fsdp::nn::Module> build_model(const ModelSpec& spec) {
 // log-probabilities.
 class LanguageModel : public fsdp::LightningModule {
  public:
-  LanguageModel(ModelSpec spec, std::string optimizer, double lr, double weight_decay)
-      : spec_(std::move(spec)), optimizer_(std::move(optimizer)), lr_(lr), wd_(weight_decay) {}
+  LanguageModel(ModelSpec spec, std::string optimizer, double lr, double weight_decay,
+                double adam_eps)
+      : spec_(std::move(spec)),
+        optimizer_(std::move(optimizer)),
+        lr_(lr),
+        wd_(weight_decay),
+        eps_(adam_eps) {}
 
   void configure_model() override {
     if (model_) return;  // idempotent, as Lightning asks
@@ -187,14 +200,22 @@ class LanguageModel : public fsdp::LightningModule {
   fsdp::OptimizerConfig configure_optimizers() override {
     if (optimizer_ == "adamw") {
       return {std::make_shared<torch::optim::AdamW>(
-          parameters(), torch::optim::AdamWOptions(lr_).weight_decay(wd_))};
+          parameters(), torch::optim::AdamWOptions(lr_).weight_decay(wd_).eps(eps_))};
+    }
+    if (optimizer_ == "cpu_adam" || optimizer_ == "cpu_adamw") {
+      // fsdp::optim::CPUAdam: libtorch's Adam / AdamW math in one fused vectorized pass.
+      fsdp::optim::CPUAdamOptions o;
+      o.lr = lr_;
+      o.weight_decay = wd_;
+      o.adamw_mode = optimizer_ == "cpu_adamw";
+      return {std::make_shared<fsdp::optim::CPUAdam>(parameters(), o)};
     }
     if (optimizer_ == "sgd") {
       return {std::make_shared<torch::optim::SGD>(
           parameters(), torch::optim::SGDOptions(lr_).weight_decay(wd_))};
     }
     return {std::make_shared<torch::optim::Adam>(
-        parameters(), torch::optim::AdamOptions(lr_).weight_decay(wd_))};
+        parameters(), torch::optim::AdamOptions(lr_).weight_decay(wd_).eps(eps_))};
   }
 
  private:
@@ -205,7 +226,7 @@ class LanguageModel : public fsdp::LightningModule {
 
   ModelSpec spec_;
   std::string optimizer_;
-  double lr_, wd_;
+  double lr_, wd_, eps_;
   std::shared_ptr<fsdp::nn::Module> model_;
 };
 
@@ -214,6 +235,54 @@ int64_t preset_vocab(const std::string& model) {
   return fsdp::demos::is_transformer_model(model) ? fsdp::demos::transformer_preset(model).vocab_size
                                                   : fsdp::demos::gpt_preset(model).vocab_size;
 }
+
+// Where a step's CPU time goes besides the math: getrusage over the optimizer steps after the
+// first (the ones it/s times), per rank, for --summary-json. Minor page faults count memory the
+// kernel had to map in (README "Memory accounting": the block cache), sys seconds the time in
+// the kernel. Collective at the end of training (every rank runs the callback).
+class StepCosts : public fsdp::Callback {
+ public:
+  struct Usage {
+    int64_t minor_faults = 0, user_us = 0, sys_us = 0;
+  };
+  void on_train_batch_end(fsdp::Trainer& trainer, fsdp::LightningModule&, int64_t) override {
+    if (start_step_ < 0 && trainer.global_step() >= 1) {
+      start_step_ = trainer.global_step();
+      start_ = now();
+    }
+  }
+  void on_train_end(fsdp::Trainer& trainer, fsdp::LightningModule&) override {
+    const int64_t steps = start_step_ < 0 ? 0 : trainer.global_step() - start_step_;
+    const Usage end = now();
+    at::Tensor mine = at::tensor({end.minor_faults - start_.minor_faults, end.user_us - start_.user_us,
+                                  end.sys_us - start_.sys_us},
+                                 at::kLong);
+    at::Tensor all = at::empty({3 * trainer.world_size()}, at::kLong);
+    trainer.world()->all_gather_into_tensor(all, mine);
+    faults_.clear(), user_.clear(), sys_.clear();
+    if (steps <= 0) return;
+    for (int r = 0; r < trainer.world_size(); ++r) {
+      faults_.push_back(all[3 * r].item<int64_t>() / static_cast<double>(steps));
+      user_.push_back(all[3 * r + 1].item<int64_t>() * 1e-6 / static_cast<double>(steps));
+      sys_.push_back(all[3 * r + 2].item<int64_t>() * 1e-6 / static_cast<double>(steps));
+    }
+  }
+  // Per rank, per step; empty with fewer than two steps.
+  std::vector<double> faults_, user_, sys_;
+
+ private:
+  static Usage now() {
+    struct rusage u {};
+    ::getrusage(RUSAGE_SELF, &u);
+    Usage s;
+    s.minor_faults = u.ru_minflt;
+    s.user_us = static_cast<int64_t>(u.ru_utime.tv_sec) * 1000000 + u.ru_utime.tv_usec;
+    s.sys_us = static_cast<int64_t>(u.ru_stime.tv_sec) * 1000000 + u.ru_stime.tv_usec;
+    return s;
+  }
+  int64_t start_step_ = -1;
+  Usage start_;
+};
 
 struct Data {
   std::shared_ptr<const fsdp::TokenBlockDataset> train, val;
@@ -271,7 +340,7 @@ CLI::Validator parsed_by(Enum (*parse)(const std::string&), const std::string& n
         if (!only.empty() && std::find(only.begin(), only.end(), value) == only.end()) {
           std::string valid;
           for (const auto& o : only) valid += (valid.empty() ? "" : ", ") + o;
-          return value + " not in {" + valid + "}";
+          return "'" + value + "' is not one of: " + valid;
         }
         try {
           value = std::to_string(static_cast<int>(parse(value)));
@@ -280,7 +349,7 @@ CLI::Validator parsed_by(Enum (*parse)(const std::string&), const std::string& n
           return e.what_without_backtrace();
         }
       },
-      name);
+      name, fsdp::cli::kCheckPrefix + name);
 }
 
 std::string what_of(const std::exception& e) {
@@ -452,11 +521,24 @@ int run(const Args& a, const ModelSpec& spec_in) {
     fsdp::set_comm_hook(o, a.ddp_comm_hook, a.ddp_comm_wrapper, a.powersgd, a.post_local_sgd);
     t.strategy = std::make_shared<fsdp::DDPStrategy>(o);
   }
+  if (a.strategy.rfind("deepspeed", 0) == 0 || !a.deepspeed_config.empty()) {
+    // DeepSpeed ZeRO; see include/fsdp/deepspeed.h. --deepspeed-config with --strategy auto
+    // means "deepspeed", as Lightning's PL_DEEPSPEED_CONFIG_PATH with strategy="deepspeed".
+    const std::string name = a.strategy == "auto" ? "deepspeed" : a.strategy;
+    TORCH_CHECK(name.rfind("deepspeed", 0) == 0, "[fsdp-train] --deepspeed-config needs a "
+                "DeepSpeed strategy (--strategy deepspeed, deepspeed_stage_1, ...), got --strategy ",
+                a.strategy);
+    fsdp::DeepSpeedOptions o;
+    o.config = a.deepspeed_config;
+    t.strategy = fsdp::make_deepspeed_strategy(name, o);
+  }
   auto comm_bytes = std::make_shared<CommBytesRecorder>();
   t.callbacks.push_back(comm_bytes);
   if (!a.save_initial_weights.empty()) {
-    TORCH_CHECK(a.strategy.rfind("fsdp", 0) != 0, "[fsdp-train] --save-initial-weights needs "
-                "whole parameters on rank 0 (strategy single or ddp); FSDP shards them");
+    TORCH_CHECK(a.strategy.rfind("fsdp", 0) != 0 && a.strategy.rfind("deepspeed", 0) != 0 &&
+                    a.deepspeed_config.empty(),
+                "[fsdp-train] --save-initial-weights needs whole parameters on rank 0 (strategy "
+                "single or ddp); --strategy ", a.strategy, " shards them");
     t.callbacks.push_back(std::make_shared<InitialWeightsWriter>(a.save_initial_weights));
   }
   const fsdp::ModelCheckpointOptions& c = a.checkpoint;
@@ -476,6 +558,8 @@ int run(const Args& a, const ModelSpec& spec_in) {
     if (mc.every_n_epochs == 0) mc.every_n_epochs = -1;
     t.callbacks.push_back(std::make_shared<fsdp::ModelCheckpoint>(mc));
   }
+  auto step_costs = std::make_shared<StepCosts>();
+  t.callbacks.push_back(step_costs);
   fsdp::Trainer trainer(t);  // devices > 1: the other ranks start here and run main() again
 
   ModelSpec spec = spec_in;
@@ -491,13 +575,25 @@ int run(const Args& a, const ModelSpec& spec_in) {
         fsdp::DistributedSampler(data.val->size(), 1, 0, /*shuffle=*/false, seed), true);
   }
 
-  LanguageModel model(spec, a.optimizer, a.lr, a.weight_decay);
+  LanguageModel model(spec, a.optimizer, a.lr, a.weight_decay, a.adam_eps);
   trainer.print("[fsdp-train] model " + a.model + ", vocab " + std::to_string(spec.vocab_size) +
                 ", data " + a.data + " (" + std::to_string(data.train->size()) +
                 " training blocks of " + std::to_string(a.block_size) + "), strategy " +
                 trainer.strategy()->name() + ", world " + std::to_string(trainer.world_size()) +
                 ", batch " + std::to_string(a.batch_size) + " per rank" +
                 (a.activation_checkpointing ? ", activation checkpointing on" : ""));
+  // What the loss means: a model that learned nothing scores ln(vocab) (uniform guess).
+  const double uniform_loss = std::log(static_cast<double>(spec.vocab_size));
+  {
+    std::ostringstream ref;
+    ref << std::fixed << std::setprecision(2) << "[fsdp-train] loss reference: uniform guess ln("
+        << spec.vocab_size << ") = " << uniform_loss;
+    if (a.data == "synthetic") {
+      ref << ", a perfect model of the synthetic chain = "
+          << fsdp::demos::SyntheticCorpus::entropy_rate();
+    }
+    trainer.print(ref.str());
+  }
   if (val_loader && val_loader->num_batches() > 0) {
     if (a.ckpt_path.empty()) {
       trainer.fit(model, train_loader, *val_loader);
@@ -511,6 +607,13 @@ int run(const Args& a, const ModelSpec& spec_in) {
   }
 
   const fsdp::FitResults& r = trainer.results();
+  if (r.losses.size() >= 2) {
+    std::ostringstream learned;
+    learned << std::fixed << std::setprecision(2) << "[fsdp-train] loss " << r.losses.front()
+            << " (step 1) -> " << r.losses.back() << " (step " << r.losses.size()
+            << "); uniform guess " << uniform_loss;
+    trainer.print(learned.str());
+  }
   if (trainer.is_global_zero() && !a.summary_json.empty()) {
     nlohmann::json j;
     j["strategy"] = trainer.strategy()->name();
@@ -520,6 +623,8 @@ int run(const Args& a, const ModelSpec& spec_in) {
     j["steps"] = r.steps;
     j["epochs"] = r.epochs;
     j["batch_size"] = a.batch_size;
+    j["precision"] = t.precision;
+    j["skipped_steps"] = r.skipped_steps;  // 16-mixed: steps the grad scaler skipped (inf/nan)
     j["activation_checkpointing"] = a.activation_checkpointing;
     j["seconds"] = r.seconds;
     j["it_per_s"] = r.it_per_s;
@@ -535,6 +640,9 @@ int run(const Args& a, const ModelSpec& spec_in) {
     for (auto b : r.setup_peak_rss_bytes) setup_rss.push_back(b / 1048576.0);
     j["setup_peak_alloc_mb"] = setup_alloc;
     j["setup_peak_rss_mb"] = setup_rss;
+    j["minor_faults_per_step"] = step_costs->faults_;  // per rank, steps 2..n
+    j["user_seconds_per_step"] = step_costs->user_;
+    j["sys_seconds_per_step"] = step_costs->sys_;
     j["losses"] = r.losses;
     j["final_loss"] = r.losses.empty() ? nlohmann::json(nullptr) : nlohmann::json(r.losses.back());
     j["metrics"] = r.metrics;
@@ -573,17 +681,19 @@ int main(int argc, char** argv) {
   fsdp::TrainerOptions& t = a.trainer;
   fsdp::FSDPOptions& f = a.fsdp;
   fsdp::ModelCheckpointOptions& c = a.checkpoint;
-  const auto at_least_minus_one =
-      CLI::Range(int64_t(-1), std::numeric_limits<int64_t>::max()).description(">= -1");
+  using fsdp::cli::at_least;
+  using fsdp::cli::between;
+  using fsdp::cli::greater_than;
+  using fsdp::cli::one_of;
 
   // Trainer
   app.add_option("--accelerator", t.accelerator, "cpu | auto | cuda | gpu (cuda needs a CUDA build of libtorch)")
-      ->check(CLI::IsMember(fsdp::Trainer::accelerator_names()));
-  app.add_option("--devices", t.devices, "ranks (processes) per node")->check(CLI::PositiveNumber);
+      ->check(one_of(fsdp::Trainer::accelerator_names()));
+  app.add_option("--devices", t.devices, "ranks (processes) per node")->check(at_least(1));
   app.add_option("--num-nodes", t.num_nodes, "nodes (under SLURM/mpirun/torchrun-style env)")
-      ->check(CLI::PositiveNumber);
+      ->check(at_least(1));
   app.add_option("--strategy", a.strategy, "auto = single for one rank, ddp for more")
-      ->check(CLI::IsMember(strategies));
+      ->check(one_of(strategies));
   app.add_option("--sharding-strategy", f.sharding_strategy,
                  "fsdp: FULL_SHARD | SHARD_GRAD_OP | NO_SHARD | HYBRID_SHARD | HYBRID_SHARD_ZERO2")
       ->transform(parsed_by(fsdp::parse_sharding_strategy, "SHARDING_STRATEGY"))
@@ -598,7 +708,8 @@ int main(int argc, char** argv) {
   app.add_flag("--activation-checkpointing", a.activation_checkpointing,
                "recompute each layer's activations in backward (any strategy): less activation "
                "memory, about 1/3 more compute");
-  app.add_option("--hybrid-shard-size", f.hybrid_shard_size, "fsdp hybrid: ranks per shard group (0: one node)");
+  app.add_option("--hybrid-shard-size", f.hybrid_shard_size, "fsdp hybrid: ranks per shard group (0: one node)")
+      ->check(at_least(0));
   // DDP
   fsdp::DDPOptions& d = a.ddp;
   fsdp::PowerSGDOptions& ps = a.powersgd;
@@ -615,7 +726,7 @@ int main(int argc, char** argv) {
   }();
   a.ddp_flags = {
       app.add_option("--bucket-cap-mb", d.bucket_cap_mb, "ddp: gradient bucket size in MB")
-          ->check(CLI::PositiveNumber),
+          ->check(greater_than(0.0)),
       app.add_flag("--find-unused-parameters", d.find_unused_parameters,
                    "ddp: allow trainable parameters without a gradient"),
       app.add_flag("--static-graph", d.static_graph,
@@ -626,100 +737,105 @@ int main(int argc, char** argv) {
                      "ddp: how gradient buckets are communicated: none (all-reduce) | "
                      "allreduce | fp16_compress | bf16_compress | powersgd | batched_powersgd | "
                      "post_local_sgd")
-          ->check(CLI::IsMember(hooks)),
+          ->check(one_of(hooks)),
       app.add_option("--ddp-comm-wrapper", a.ddp_comm_wrapper,
                      "ddp: cast what the hook sends: none | fp16 | bf16")
-          ->check(CLI::IsMember(wrappers)),
+          ->check(one_of(wrappers)),
       app.add_option("--powersgd-rank", ps.matrix_approximation_rank,
                      "powersgd: matrix_approximation_rank")
-          ->check(CLI::PositiveNumber),
+          ->check(at_least(int64_t{1})),
       app.add_option("--start-powersgd-iter", ps.start_powersgd_iter,
                      "powersgd: plain all-reduce for this many steps first (> 1 with error "
                      "feedback or warm start)")
-          ->check(CLI::NonNegativeNumber),
+          ->check(at_least(int64_t{0})),
       app.add_option("--min-compression-rate", ps.min_compression_rate,
                      "powersgd: compress a matrix only when it shrinks by more than this")
-          ->check(CLI::NonNegativeNumber),
+          ->check(at_least(0.0)),
       app.add_flag_callback("--no-error-feedback", [&ps] { ps.use_error_feedback = false; },
                             "powersgd: use_error_feedback off"),
       app.add_flag_callback("--no-warm-start", [&ps] { ps.warm_start = false; },
                             "powersgd: a new random Q every step"),
       app.add_option("--orthogonalization-epsilon", ps.orthogonalization_epsilon,
                      "powersgd: added to column norms (e.g. 1e-8 if a gradient can be all zero)")
-          ->check(CLI::NonNegativeNumber),
+          ->check(at_least(0.0)),
       app.add_option("--powersgd-seed", ps.random_seed, "powersgd: random_seed of Q"),
       app.add_flag("--batch-tensors-with-same-shape", ps.batch_tensors_with_same_shape,
                    "powersgd: compress same-shaped matrices in one batched matmul"),
       app.add_option("--start-local-sgd-iter", pl.start_local_sgd_iter,
                      "post_local_sgd: global all-reduce for this many steps, then local "
                      "(required with post_local_sgd)")
-          ->check(CLI::NonNegativeNumber),
+          ->check(at_least(int64_t{0})),
       app.add_option("--post-local-sgd-subgroup-size", pl.subgroup_size,
                      "post_local_sgd: ranks that still average gradients together (0: one node)")
-          ->check(CLI::NonNegativeNumber),
+          ->check(at_least(0)),
       app.add_flag_callback("--no-post-local-gradient-allreduce",
                             [&pl] { pl.post_local_gradient_allreduce = false; },
                             "post_local_sgd: no gradient communication at all after the start"),
       app.add_option("--model-averaging-period", d.model_averaging_period,
                      "post_local_sgd: average the parameters every N steps after the start "
                      "(required with post_local_sgd)")
-          ->check(CLI::NonNegativeNumber),
+          ->check(at_least(int64_t{0})),
   };
   app.add_option("--precision", t.precision,
                  "32-true (fp32); bf16-mixed (FSDP: fp32 master shards, bf16 all-gather/compute/"
                  "reduce-scatter; other strategies: CPU autocast); bf16-true (bf16 everything); "
-                 "64-true; 16-mixed/16-true fail on CPU (no fp16 matmul)")
-      ->check(CLI::IsMember(fsdp::Trainer::precision_names()));
+                 "16-mixed (as bf16-mixed in fp16, with loss scaling); 16-true (fp16 "
+                 "everything; with --adam-eps 1e-4); 64-true")
+      ->check(one_of(fsdp::Trainer::precision_names()));
   app.add_option("--max-steps", t.max_steps, "optimizer steps to take (-1: until --max-epochs)")
-      ->check(at_least_minus_one);
+      ->check(at_least(int64_t{-1}));
   app.add_option("--max-epochs", t.max_epochs, "epochs (-1: unlimited; 1000 if --max-steps is -1 too)")
-      ->check(at_least_minus_one);
+      ->check(at_least(int64_t{-1}));
   app.add_option("--accumulate-grad-batches", t.accumulate_grad_batches,
                  "micro-batches per optimizer step (loss divided by it)")
-      ->check(CLI::PositiveNumber);
+      ->check(at_least(int64_t{1}));
   app.add_option("--gradient-clip-val", t.gradient_clip_val, "clip to this global L2 norm (0: off)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(at_least(0.0));
   app.add_option("--limit-train-batches", t.limit_train_batches,
                  "batches per epoch: <0 all, (0,1) fraction, >=1 count");
   app.add_option("--limit-val-batches", t.limit_val_batches,
                  "validation batches: <0 all, 0 none, (0,1) fraction, >=1 count");
   app.add_option("--val-check-interval", t.val_check_interval,
                  "validate every N training batches (>=1), a fraction of the epoch (0,1), or at epoch end (0)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(at_least(0.0));
   app.add_option("--log-every", t.log_every_n_steps, "log_every_n_steps: CSV rows and non-terminal progress lines")
-      ->check(CLI::PositiveNumber);
+      ->check(at_least(int64_t{1}));
   app.add_option("--default-root-dir", t.default_root_dir, "CSV logs go to DIR/version_N/metrics.csv");
-  app.add_option("--backend", t.process_group_backend, "process group backend (env FSDP_BACKEND when auto)")
-      ->check(CLI::IsMember({"auto", "gloo", "mpi"}));
+  app.add_option("--backend", t.process_group_backend, "process group backend; auto: mpi on one host when built and mpirun is on PATH, or under mpirun; else gloo (env FSDP_BACKEND when auto)")
+      ->check(one_of({"auto", "gloo", "mpi"}));
   app.add_flag_callback("--no-progress-bar", [&t] { t.enable_progress_bar = false; },
                         "disable the progress bar");
   app.add_option("--seed", t.seed, "seed for the model init, data and sampler (same on every rank)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(at_least(int64_t{0}));
   // Model
-  app.add_option("--model", a.model, "a preset or custom")->check(CLI::IsMember(models));
+  app.add_option("--model", a.model, "a preset or custom")->check(one_of(models));
   auto* o_nlayers = app.add_option("--nlayers", a.nlayers, "custom: encoder (and decoder) layers")
-                        ->check(CLI::PositiveNumber);
-  auto* o_nhid = app.add_option("--nhid", a.nhid, "custom: feed-forward width")->check(CLI::PositiveNumber);
-  auto* o_ninp = app.add_option("--ninp", a.ninp, "custom: embedding width")->check(CLI::PositiveNumber);
-  auto* o_nhead = app.add_option("--nhead", a.nhead, "custom: attention heads")->check(CLI::PositiveNumber);
+                        ->check(at_least(int64_t{1}));
+  auto* o_nhid = app.add_option("--nhid", a.nhid, "custom: feed-forward width")->check(at_least(int64_t{1}));
+  auto* o_ninp = app.add_option("--ninp", a.ninp, "custom: embedding width")->check(at_least(int64_t{1}));
+  auto* o_nhead = app.add_option("--nhead", a.nhead, "custom: attention heads")->check(at_least(int64_t{1}));
   app.add_option("--vocab-size", a.vocab_size,
                  "synthetic data vocabulary (0: the preset's, at most 1024); wikitext2 uses its own")
-      ->check(CLI::NonNegativeNumber);
-  app.add_option("--dropout", a.dropout, "dropout probability")->check(CLI::Range(0.0, 1.0));
+      ->check(at_least(int64_t{0}));
+  app.add_option("--dropout", a.dropout, "dropout probability")->check(between(0.0, 1.0));
   // Optimizer
-  app.add_option("--optimizer", a.optimizer, "adam | adamw | sgd")
-      ->check(CLI::IsMember({"adam", "adamw", "sgd"}));
-  app.add_option("--lr", a.lr, "learning rate")->check(CLI::PositiveNumber);
-  app.add_option("--weight-decay", a.weight_decay, "weight decay")->check(CLI::NonNegativeNumber);
+  app.add_option("--optimizer", a.optimizer,
+                 "adam | adamw | sgd | cpu_adam | cpu_adamw (fused CPU Adam / AdamW, fsdp::optim::CPUAdam)")
+      ->check(one_of({"adam", "adamw", "sgd", "cpu_adam", "cpu_adamw"}));
+  app.add_option("--lr", a.lr, "learning rate")->check(greater_than(0.0));
+  app.add_option("--weight-decay", a.weight_decay, "weight decay")->check(at_least(0.0));
+  app.add_option("--adam-eps", a.adam_eps,
+                 "adam/adamw eps (16-true needs one fp16 can hold, e.g. 1e-4)")
+      ->check(greater_than(0.0));
   // Data
   app.add_option("--data", a.data, "synthetic (built in, no files) | wikitext2")
-      ->check(CLI::IsMember({"synthetic", "wikitext2"}));
+      ->check(one_of({"synthetic", "wikitext2"}));
   app.add_option("--data-dir", a.data_dir, "wikitext2: directory with train.txt (valid.txt optional)");
-  app.add_option("--batch-size", a.batch_size, "samples per rank per micro-batch")->check(CLI::PositiveNumber);
-  app.add_option("--block-size", a.block_size, "tokens per sample")->check(CLI::PositiveNumber);
+  app.add_option("--batch-size", a.batch_size, "samples per rank per micro-batch")->check(at_least(int64_t{1}));
+  app.add_option("--block-size", a.block_size, "tokens per sample")->check(at_least(int64_t{1}));
   app.add_option("--num-tokens", a.num_tokens,
                  "synthetic corpus size for training (0: enough for --max-steps, at least 100000)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(at_least(int64_t{0}));
   // Output
   app.add_option("--summary-json", a.summary_json, "write the run summary (losses, it/s, memory) as JSON here");
   app.add_flag("--dry-run", a.dry_run,
@@ -736,34 +852,50 @@ int main(int argc, char** argv) {
                  "save DIR/step-<k> every --save-every-n-steps steps (or --every-n-epochs "
                  "epochs), and DIR/last -> the newest");
   app.add_option("--save-every-n-steps", c.every_n_train_steps, "checkpoint period in optimizer steps (0: off)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(at_least(int64_t{0}));
   app.add_option("--state-dict-type", t.state_dict_type, "checkpoint format: full | sharded")
-      ->check(CLI::IsMember({"full", "sharded"}));
+      ->check(one_of({"full", "sharded"}));
   app.add_option("--every-n-epochs", c.every_n_epochs,
                  "also save at the end of every N epochs (default with --monitor and no "
                  "--save-every-n-steps: 1)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(at_least(int64_t{0}));
   app.add_option("--monitor", c.monitor,
                  "rank checkpoints by this logged metric (train_loss, val_loss) for --save-top-k");
   app.add_option("--mode", c.mode, "min | max: which --monitor values are better")
-      ->check(CLI::IsMember({"min", "max"}));
+      ->check(one_of({"min", "max"}));
   app.add_option("--save-top-k", c.save_top_k,
                  "keep the K best checkpoints by --monitor (-1: all; 1 without --monitor: the "
                  "newest); others are deleted once a better one is saved")
-      ->check(CLI::Range(int64_t{-1}, std::numeric_limits<int64_t>::max()));
+      ->check(at_least(int64_t{-1}));
+  auto* o_ds = app.add_option(
+      "--deepspeed-config", a.deepspeed_config,
+      "DeepSpeed JSON config for --strategy deepspeed* (auto: deepspeed); replaces the "
+      "strategy's defaults; its bf16, gradient_clipping, gradient_accumulation_steps, "
+      "train_micro_batch_size_per_gpu, optimizer and scheduler apply to the run");
+  auto* o_batch = app.get_option("--batch-size");
   app.add_option("--ckpt-path", a.ckpt_path,
                  "resume from this checkpoint (e.g. DIR/last); --max-steps counts from the start");
 
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp&) {
-    std::cout << app.help();
-    return 0;
-  } catch (const CLI::ParseError& e) {
-    std::string msg = e.what();
-    std::replace(msg.begin(), msg.end(), '\n', ' ');
-    std::cerr << "fsdp-train: error: " << msg << " (see fsdp-train --help)" << std::endl;
-    return 2;
+  if (auto code = fsdp::cli::parse(app, argc, argv, "fsdp-train")) return *code;
+
+  if (o_ds->count() > 0) {
+    // train_micro_batch_size_per_gpu is --batch-size (per rank); both given must agree.
+    try {
+      fsdp::DeepSpeedTrainingConfig dt;
+      fsdp::parse_deepspeed_config(a.deepspeed_config, &dt);
+      if (dt.train_micro_batch_size_per_gpu) {
+        if (o_batch->count() > 0 && a.batch_size != *dt.train_micro_batch_size_per_gpu) {
+          std::cerr << "fsdp-train: error: --batch-size " << a.batch_size << " but the DeepSpeed "
+                    << "config's train_micro_batch_size_per_gpu is "
+                    << *dt.train_micro_batch_size_per_gpu << "; give one of them" << std::endl;
+          return 2;
+        }
+        a.batch_size = *dt.train_micro_batch_size_per_gpu;
+      }
+    } catch (const c10::Error& e) {
+      std::cerr << "fsdp-train: error: " << e.what_without_backtrace() << std::endl;
+      return 2;
+    }
   }
 
   ModelSpec spec;

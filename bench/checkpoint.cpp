@@ -60,12 +60,7 @@ int run_checkpoint(const std::vector<std::string>& args) {
   app.add_option("--world", world, "ranks");
   app.add_option("--vocab-size", vocab, "vocabulary (the preset's WikiText-2 size by default)");
   app.add_option("--dir", dir, "scratch directory for the checkpoints");
-  std::vector<std::string> rev(args.rbegin(), args.rend());
-  try {
-    app.parse(rev);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
-  }
+  if (auto status = fsdp::bench::parse_args(app, "checkpoint", args)) return *status;
 
   fsdp::FSDPOptions fo;
   fo.auto_wrap_policy = fsdp::AutoWrapPolicy::of_types(fsdp::demos::layer_types(model));

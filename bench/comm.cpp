@@ -211,12 +211,7 @@ int run_comm(const std::vector<std::string>& args) {
   app.add_option("--worlds", worlds, "comma-separated world sizes");
   app.add_option("--sizes-mib", sizes, "comma-separated full-buffer sizes in MiB");
   app.add_flag("--worker", worker, "internal: run as one rank")->group("");
-  std::vector<std::string> rev(args.rbegin(), args.rend());
-  try {
-    app.parse(rev);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
-  }
+  if (auto status = fsdp::bench::parse_args(app, "comm", args)) return *status;
   std::vector<int> sizes_mib;
   for (const auto& s : split_csv(sizes)) sizes_mib.push_back(std::stoi(s));
   TORCH_CHECK(!sizes_mib.empty(), "[fsdp-bench comm] --sizes-mib is empty");

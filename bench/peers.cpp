@@ -26,6 +26,7 @@
 // CPU, say) is reported with its error, not dropped. Prints JSON on stdout and the markdown
 // table on stderr (and to --markdown FILE). Design and limits: docs/peers.md.
 #include "bench.h"
+#include "../apps/cli.h"
 #include "runs.h"
 
 #include "fsdp/models.h"
@@ -156,28 +157,28 @@ int run_peers(const std::vector<std::string>& args) {
   std::string work_dir;
   CLI::App app{"fsdp-bench peers: fsdp.cpp vs PyTorch DDP / FSDP2 and Lightning (JSON + table)"};
   app.add_option("--model", run.model, "transformer-tiny | transformer-small")
-      ->check(CLI::IsMember({"transformer-tiny", "transformer-small"}))
+      ->check(fsdp::cli::one_of({"transformer-tiny", "transformer-small"}))
       ->capture_default_str();
   app.add_option("--devices", run.devices, "ranks (processes), Gloo on loopback")
-      ->check(CLI::Range(1, 64))
+      ->check(fsdp::cli::between(1, 64))
       ->capture_default_str();
   app.add_option("--steps", o.steps, "timed optimizer steps")
-      ->check(CLI::PositiveNumber)
+      ->check(fsdp::cli::at_least(int64_t{1}))
       ->capture_default_str();
   app.add_option("--warmup", o.warmup, "untimed optimizer steps first")
-      ->check(CLI::Range(int64_t{1}, int64_t{1000}))
+      ->check(fsdp::cli::between(int64_t{1}, int64_t{1000}))
       ->capture_default_str();
   app.add_option("--vocab-size", run.vocab_size, "synthetic vocabulary (0: the preset's)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(fsdp::cli::at_least(int64_t{0}))
       ->capture_default_str();
   app.add_option("--batch-size", run.batch_size, "per rank")
-      ->check(CLI::PositiveNumber)
+      ->check(fsdp::cli::at_least(int64_t{1}))
       ->capture_default_str();
   app.add_option("--block-size", run.block_size, "tokens per sample")
-      ->check(CLI::PositiveNumber)
+      ->check(fsdp::cli::at_least(int64_t{1}))
       ->capture_default_str();
-  app.add_option("--dropout", run.dropout)->check(CLI::Range(0.0, 0.99))->capture_default_str();
-  app.add_option("--lr", run.lr)->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--dropout", run.dropout)->check(fsdp::cli::between(0.0, 0.99))->capture_default_str();
+  app.add_option("--lr", run.lr)->check(fsdp::cli::greater_than(0.0))->capture_default_str();
   app.add_option("--seed", run.seed)->capture_default_str();
   app.add_option("--systems", systems_arg, "comma list of pytorch, fsdp.cpp, lightning")
       ->capture_default_str();

@@ -140,6 +140,11 @@ nlohmann::json run_fsdp_train(const std::string& fsdp_train, const TrainRun& run
   const fs::path summary = run.dir / (name + ".json");
   std::vector<std::string> argv = fsdp_train_argv(fsdp_train, run);
   for (const auto& f : flags) argv.push_back(f);
+  // The peers run on Gloo: unless `flags` choose, fsdp-train does too (not --backend auto,
+  // which would pick MPI on one host), so comparisons hold the backend fixed.
+  if (std::find(flags.begin(), flags.end(), "--backend") == flags.end()) {
+    argv.insert(argv.end(), {"--backend", "gloo"});
+  }
   argv.insert(argv.end(), {"--dropout", num(run.dropout), "--lr", num(run.lr), "--limit-val-batches", "0",
                            "--no-progress-bar", "--default-root-dir", (run.dir / "logs").string(),
                            "--summary-json", summary.string()});
@@ -159,8 +164,10 @@ nlohmann::json run_fsdp_train(const std::string& fsdp_train, const TrainRun& run
                            s["setup_peak_rss_mb"][i].get<double>()));
   }
   for (const char* key : {"strategy", "world_size", "params", "steps", "losses",
-                          "step_end_seconds", "peak_alloc_mb", "setup_peak_alloc_mb"}) {
-    r[key] = s[key];
+                          "step_end_seconds", "peak_alloc_mb", "setup_peak_alloc_mb",
+                          "minor_faults_per_step", "user_seconds_per_step",
+                          "sys_seconds_per_step"}) {
+    if (s.contains(key)) r[key] = s[key];
   }
   if (s.contains("comm_bytes_per_step")) r["comm_bytes_per_step"] = s["comm_bytes_per_step"];
   r["peak_rss_mb"] = rss;

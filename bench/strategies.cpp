@@ -3,7 +3,8 @@
 //
 //   fsdp-bench strategies --model transformer-small --devices 2 [--steps 6] --json
 //
-// Runs DDP, NO_SHARD, SHARD_GRAD_OP, FULL_SHARD, FULL_SHARD + bf16-mixed (and HYBRID_SHARD at
+// Runs DDP, NO_SHARD, SHARD_GRAD_OP, FULL_SHARD, FULL_SHARD + bf16-mixed, DeepSpeed ZeRO stages
+// 1/2/3 (fsdp.cpp's native deepspeed_stage_N) (and HYBRID_SHARD at
 // world >= 4, shard group = half the ranks) on the same model, data and batch through build/bin/fsdp-train
 // --summary-json, one after the other, and reports per strategy: peak tensor MB per rank
 // (tracking allocator, max over ranks), peak RSS MB (max over ranks), it/s (first step
@@ -11,6 +12,7 @@
 // table on stderr. FULL_SHARD+AC is FULL_SHARD with fsdp-train --activation-checkpointing (the
 // layers recompute their activations in backward).
 #include "bench.h"
+#include "../apps/cli.h"
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -124,9 +126,9 @@ int run_strategies(const std::vector<std::string>& args) {
   Config c;
   CLI::App app{"fsdp-bench strategies: DDP vs FSDP sharding strategies, memory and speed"};
   app.add_option("--model", c.model, "a demo model preset")->capture_default_str();
-  app.add_option("--devices", c.devices, "ranks")->check(CLI::Range(1, 64))->capture_default_str();
+  app.add_option("--devices", c.devices, "ranks")->check(fsdp::cli::between(1, 64))->capture_default_str();
   app.add_option("--steps", c.steps, "optimizer steps per run (first one not timed)")
-      ->check(CLI::Range(2, 100000))
+      ->check(fsdp::cli::between(2, 100000))
       ->capture_default_str();
   app.add_option("--batch-size", c.batch_size, "per rank")->capture_default_str();
   app.add_option("--block-size", c.block_size, "tokens per sample")->capture_default_str();
@@ -164,6 +166,10 @@ int run_strategies(const std::vector<std::string>& args) {
       // fp32 master shards and Adam state, bf16 all-gather/compute/reduce-scatter.
       {"FULL_SHARD+bf16-mixed", "fsdp",
        with({"--sharding-strategy", "FULL_SHARD", "--precision", "bf16-mixed"})},
+      // DeepSpeed ZeRO stages with Lightning's defaults (include/fsdp/deepspeed.h).
+      {"ZeRO-1", "deepspeed_stage_1", {}},
+      {"ZeRO-2", "deepspeed_stage_2", {}},
+      {"ZeRO-3", "deepspeed_stage_3", {}},
   };
   if (c.devices >= 4 && c.devices % 2 == 0) {
     entries.push_back({"HYBRID_SHARD", "fsdp",

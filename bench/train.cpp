@@ -11,6 +11,7 @@
 // is ratio_ddp (fsdp.cpp DDP it/s / PyTorch DDP it/s; > 1 means fsdp.cpp is faster).
 // `fsdp-bench peers` is the wider comparison (FSDP2, Lightning, every sharding strategy).
 #include "bench.h"
+#include "../apps/cli.h"
 #include "runs.h"
 
 #include <CLI/CLI.hpp>
@@ -49,13 +50,13 @@ int run_train(const std::vector<std::string>& args) {
   bool skip_single = false;
   CLI::App app{"fsdp-bench train: fsdp.cpp single / DDP vs PyTorch DDP throughput (JSON)"};
   app.add_option("--model", run.model, "transformer-tiny | transformer-small")
-      ->check(CLI::IsMember({"transformer-tiny", "transformer-small"}))
+      ->check(fsdp::cli::one_of({"transformer-tiny", "transformer-small"}))
       ->capture_default_str();
   app.add_option("--vocab-size", run.vocab_size, "synthetic vocabulary")->capture_default_str();
   app.add_option("--batch-size", run.batch_size, "per rank")->capture_default_str();
   app.add_option("--block-size", run.block_size, "tokens per sample")->capture_default_str();
   app.add_option("--steps", run.steps, "optimizer steps per run, first one not timed")
-      ->check(CLI::Range(2, 100000))
+      ->check(fsdp::cli::between(2, 100000))
       ->capture_default_str();
   app.add_option("--dropout", run.dropout)->capture_default_str();
   app.add_option("--lr", run.lr)->capture_default_str();

@@ -9,7 +9,12 @@ include(CMakePackageConfigHelpers)
 set(FSDP_CMAKE_DIR ${CMAKE_INSTALL_LIBDIR}/cmake/fsdp)
 install(TARGETS fsdp fsdp_nn fsdp_runtime EXPORT fsdpTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR})
-install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/fsdp DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+if(FSDP_WITH_QLORA)
+  install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/fsdp DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+else()  # the work-in-progress QLoRA headers have no library behind them
+  install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/fsdp DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}
+          REGEX "/(causal_lm_data|hf|linear|llama|lora|optim8bit|quantization|tokenizer)\\.h$" EXCLUDE)
+endif()
 if(FSDP_APPS)
   install(TARGETS ${FSDP_APPS} RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 endif()

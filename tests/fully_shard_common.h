@@ -6,6 +6,7 @@
 #include "fsdp/fsdp_strategy.h"
 #include "fsdp/lightning.h"
 #include "fsdp/models.h"
+#include "fsdp/precision.h"
 #include "fsdp/trainer.h"
 
 #include <gtest/gtest.h>
@@ -92,6 +93,8 @@ struct LoopConfig {
   int64_t global_batch = 12;  // rows per optimizer step over all ranks
   int accumulate = 1;         // micro-batches per optimizer step
   double clip = 0;            // > 0: clip to this global norm
+  bool bf16_autocast = false; // "bf16-mixed" as the Trainer runs it for strategies that leave
+                              // precision to it: training_step under CPU autocast
   // Called once the strategy has set up the module and the optimizer, before the first step
   // (e.g. to save the initial weights a peer starts from).
   std::function<void(fsdp::Strategy&, fsdp::LightningModule&)> after_setup;
@@ -132,7 +135,11 @@ inline std::vector<double> train_with(fsdp::Strategy& strategy, fsdp::LightningM
       const bool sync = j == cfg.accumulate - 1;
       fsdp::Batch mb = slice(g, j * micro_rows + rank * local_rows, local_rows);
       strategy.pre_forward(module, sync);
-      at::Tensor loss = module.training_step(mb, step);
+      at::Tensor loss;
+      {
+        fsdp::CpuAutocastGuard autocast(cfg.bf16_autocast ? std::optional<at::ScalarType>(at::kBFloat16) : std::nullopt);
+        loss = module.training_step(mb, step);
+      }
       strategy.backward(loss / cfg.accumulate);
       strategy.post_backward(module, sync);
       step_loss += strategy.reduce(loss.detach(), fsdp::ReduceOp::kAvg).item<double>();
@@ -155,7 +162,11 @@ inline std::vector<double> train_reference(fsdp::LightningModule& module, const 
     fsdp::Batch g = global_batch(step, cfg.global_batch);
     double step_loss = 0;
     for (int j = 0; j < cfg.accumulate; ++j) {
-      at::Tensor loss = module.training_step(slice(g, j * micro_rows, micro_rows), step);
+      at::Tensor loss;
+      {
+        fsdp::CpuAutocastGuard autocast(cfg.bf16_autocast ? std::optional<at::ScalarType>(at::kBFloat16) : std::nullopt);
+        loss = module.training_step(slice(g, j * micro_rows, micro_rows), step);
+      }
       (loss / cfg.accumulate).backward();
       step_loss += loss.item<double>();
     }

@@ -85,6 +85,34 @@ TEST(ActivationCheckpointing, GradientsAndRngMatchThePlainModelWithDropout) {
   EXPECT_NE(step(*plain, 8), want);
 }
 
+// Dropout inside at::scaled_dot_product_attention (the SDPA kernel pinned in every attention
+// module; kAuto never picks it with dropout, see Note [Attention kernel]) draws from the same
+// CPU generator, so the recompute reproduces it: gradients bitwise equal to the plain model's.
+TEST(ActivationCheckpointing, SdpaDropoutIsReproducedBitwiseByTheRecompute) {
+  auto pin_sdpa = [](torch::nn::Module& model) {
+    int pinned = 0;
+    for (auto& m : model.modules()) {
+      if (auto* mha = dynamic_cast<fsdp::demos::MultiheadAttention*>(m.get())) {
+        mha->kernel = fsdp::demos::AttentionKernel::kSdpa;
+        ++pinned;
+      }
+    }
+    return pinned;
+  };
+  auto plain = tiny_model(0.2);
+  auto ckpt = tiny_model(0.2);
+  EXPECT_EQ(pin_sdpa(*plain), 6);  // 2 encoder self, 2 decoder self, 2 decoder cross
+  pin_sdpa(*ckpt);
+  fsdp::apply_activation_checkpointing(*ckpt, fsdp::demos::layer_types("transformer-tiny"));
+  const double want = step(*plain, 7);
+  const double got = step(*ckpt, 7);
+  EXPECT_EQ(got, want);
+  auto [max_diff, bitwise] = grad_diff(*ckpt, *plain);
+  EXPECT_TRUE(bitwise) << "max |grad diff| " << max_diff;
+  plain->zero_grad();
+  EXPECT_NE(step(*plain, 8), want) << "dropout must be on";
+}
+
 TEST(ActivationCheckpointing, RecomputeUsesTheSavedRngEvenWhenTheStreamMovedOn) {
   auto plain = tiny_model(0.5);
   auto ckpt = tiny_model(0.5);
@@ -112,13 +140,13 @@ TEST(ActivationCheckpointing, RecomputeRunsUnderTheForwardsAutocastState) {
   fsdp::apply_activation_checkpointing(*ckpt, fsdp::demos::layer_types("transformer-tiny"));
   fsdp::Batch b = fsdp::testing::global_batch(2, 4);
   auto forward_autocast = [&](fsdp::nn::Module& m) {
-    at::autocast::set_cpu_enabled(true);
-    at::autocast::set_autocast_cpu_dtype(at::kBFloat16);
+    at::autocast::set_autocast_enabled(at::kCPU, true);
+    at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
     at::autocast::increment_nesting();
     torch::manual_seed(21);
     at::Tensor loss = at::nll_loss(m(b.input, b.target), b.target.reshape(-1));
     if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
-    at::autocast::set_cpu_enabled(false);
+    at::autocast::set_autocast_enabled(at::kCPU, false);
     return loss;
   };
   at::Tensor lp = forward_autocast(*plain);
@@ -126,7 +154,7 @@ TEST(ActivationCheckpointing, RecomputeRunsUnderTheForwardsAutocastState) {
   EXPECT_EQ(lp.item<double>(), lc.item<double>());
   lp.backward();
   lc.backward();
-  EXPECT_FALSE(at::autocast::is_cpu_enabled()) << "the recompute left autocast on";
+  EXPECT_FALSE(at::autocast::is_autocast_enabled(at::kCPU)) << "the recompute left autocast on";
   EXPECT_LE(grad_diff(*ckpt, *plain).first, 1e-6);
 }
 

@@ -226,24 +226,8 @@ TEST(TrainerParityOptions, BucketViewsStaticGraphAndSmallBucketsMatchTooAtWorld3
 }
 
 std::vector<double> cli_losses(const std::vector<std::string>& extra, const std::string& tag) {
-  fs::path dir = fs::temp_directory_path() /
-                 ("fsdp_test_ddp_cli_" + std::to_string(::getpid()) + "_" + tag);
-  fs::create_directories(dir);
-  std::vector<std::string> argv = {fsdp::testing::bin_path("fsdp-train"),
-                                   "--model", "transformer-tiny", "--data", "synthetic",
-                                   "--dropout", "0", "--seed", "7", "--max-steps", "10",
-                                   "--no-progress-bar", "--default-root-dir",
-                                   (dir / "logs").string(), "--summary-json",
-                                   (dir / "summary.json").string()};
-  argv.insert(argv.end(), extra.begin(), extra.end());
-  auto r = fsdp::testing::run_process(argv, {}, 300);
-  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
-  std::ifstream f(dir / "summary.json");
-  EXPECT_TRUE(f.good()) << "no --summary-json written\n" << r.out << r.err;
-  if (!f.good()) return {};
-  nlohmann::json j = nlohmann::json::parse(f);
-  fs::remove_all(dir);
-  return j.at("losses").get<std::vector<double>>();
+  const nlohmann::json j = fsdp::testing::fsdp_train_summary(extra, "ddp_" + tag);
+  return j.contains("losses") ? j["losses"].get<std::vector<double>>() : std::vector<double>{};
 }
 
 TEST(CliParity, SingleBatch12AndDdpOn3RanksBatch4GiveTheSameLosses) {

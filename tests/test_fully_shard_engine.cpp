@@ -77,7 +77,8 @@ TEST(FullyShardEngine, GradCopyInIsRankMajorAndPadded) {
   m.register_parameter("w", p);
   fsdp::detail::FsdpParam fp(p, {&m, "w", "w"}, 0, 3);
   p.mutable_grad() = at::arange(10, at::kFloat).view({5, 2});
-  at::Tensor buf = at::zeros({3, fp.shard_numel()});
+  // Not pre-zeroed: copy_grad_in writes every element, padding rows as zeros.
+  at::Tensor buf = at::full({3, fp.shard_numel()}, 7.f);
   fsdp::detail::copy_grad_in(fp, buf);
   // R = 2 rows per rank: rank 0 rows 0-1, rank 1 rows 2-3, rank 2 row 4 + one zero row.
   EXPECT_TRUE(at::equal(buf[0], at::tensor({0.f, 1.f, 2.f, 3.f})));

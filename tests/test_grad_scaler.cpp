@@ -94,6 +94,47 @@ TEST(GradScaler, BadOptionsAndMisuseFailClearly) {
   }
 }
 
+// step(optimizer, step_fn): the Trainer's form, where the strategy runs the step.
+TEST(GradScaler, StepFunctionRunsOnlyWhenGradientsAreFinite) {
+  OneParam p;
+  fsdp::ShardedGradScaler scaler;
+  int calls = 0;
+  p.set_grad(at::ones({4}));
+  EXPECT_TRUE(scaler.step(p.opt, [&] { ++calls; }));
+  scaler.update();
+  at::Tensor g = at::ones({4});
+  g[1] = std::numeric_limits<double>::quiet_NaN();
+  p.set_grad(g);
+  EXPECT_FALSE(scaler.step(p.opt, [&] { ++calls; }));
+  scaler.update();
+  EXPECT_EQ(calls, 1);
+  EXPECT_TRUE(at::equal(p.w.detach(), at::ones({4}))) << "step_fn replaces optimizer.step()";
+}
+
+TEST(GradScaler, StateDictRoundTripsScaleGrowthAndSkips) {
+  OneParam p;
+  fsdp::GradScalerOptions o;
+  o.init_scale = 1024.0;
+  fsdp::ShardedGradScaler a(nullptr, o);
+  at::Tensor g = at::ones({4});
+  g[0] = std::numeric_limits<double>::infinity();
+  p.set_grad(g);
+  a.step(p.opt);
+  a.update();  // scale 512, one skip
+  p.set_grad(at::ones({4}));
+  a.step(p.opt);
+  a.update();  // growth tracker 1
+  fsdp::ShardedGradScaler b;
+  b.load_state_dict(a.state_dict());
+  EXPECT_DOUBLE_EQ(b.get_scale(), 512.0);
+  EXPECT_EQ(b.growth_tracker(), 1);
+  EXPECT_EQ(b.skipped_steps(), 1);
+  for (const char* bad : {"[]", "{\"scale\": 2}", "{\"scale\": -1, \"growth_tracker\": 0}",
+                          "not json"}) {
+    EXPECT_THROW(b.load_state_dict(bad), c10::Error) << bad;
+  }
+}
+
 // Every rank holds different shards; only rank 1 sees an inf. The found-inf flag is
 // all-reduced (MAX), so every rank skips the step and backs off by the same factor.
 void one_rank_overflows(int world) {

@@ -194,6 +194,78 @@ TEST(MultiheadAttention, MatchesPerHeadReference) {
   EXPECT_TRUE(at::allclose(cross, reference(q_in, kv_in, at::Tensor()), 1e-5, 1e-6));
 }
 
+// The SDPA kernel (at::scaled_dot_product_attention) computes what the manual kernel computes,
+// forward and backward: self-attention with no mask, a causal mask (handed over as is_causal),
+// an arbitrary additive mask, and cross-attention, in fp32.
+TEST(MultiheadAttention, SdpaKernelMatchesTheManualKernel) {
+  using fsdp::demos::AttentionKernel;
+  const int64_t B = 2, T = 6, S = 9, E = 16, H = 4;
+  at::Tensor arbitrary = at::randn({T, T});
+  struct Case {
+    const char* name;
+    bool cross;
+    at::Tensor mask;
+  };
+  for (const Case& c : {Case{"self", false, at::Tensor()},
+                        Case{"causal", false, fsdp::demos::causal_mask(T)},
+                        Case{"additive", false, arbitrary},
+                        Case{"cross", true, at::Tensor()}}) {
+    SCOPED_TRACE(c.name);
+    auto run = [&](AttentionKernel kernel) {
+      torch::manual_seed(11);
+      auto mha = std::make_shared<fsdp::demos::MultiheadAttention>(E, H);
+      torch::nn::init::normal_(mha->in_proj_bias);
+      mha->kernel = kernel;
+      at::Tensor x = at::randn({B, T, E}).requires_grad_(true);
+      at::Tensor kv = c.cross ? at::randn({B, S, E}) : at::Tensor();
+      at::Tensor out = (*mha)(x, kv, c.mask);
+      (out * out).sum().backward();
+      return std::make_tuple(out.detach(), x.grad(), mha->in_proj_weight.grad());
+    };
+    auto [out_m, dx_m, dw_m] = run(AttentionKernel::kManual);
+    auto [out_s, dx_s, dw_s] = run(AttentionKernel::kSdpa);
+    EXPECT_TRUE(at::allclose(out_s, out_m, 1e-5, 1e-6)) << (out_s - out_m).abs().max();
+    EXPECT_TRUE(at::allclose(dx_s, dx_m, 1e-4, 1e-5)) << (dx_s - dx_m).abs().max();
+    EXPECT_TRUE(at::allclose(dw_s, dw_m, 1e-4, 1e-5)) << (dw_s - dw_m).abs().max();
+  }
+}
+
+// kAuto: SDPA only for fp32 without dropout and a score matrix of >= 256 x 256 (Note
+// [Attention kernel]); the module really computes with the kernel it resolves to.
+TEST(MultiheadAttention, AutoPicksSdpaForLongFp32SequencesWithoutDropout) {
+  using fsdp::demos::AttentionKernel;
+  using fsdp::demos::resolve_attention_kernel;
+  auto qk = [](int64_t t, at::ScalarType dtype) { return at::zeros({1, 2, t, 8}, dtype); };
+  EXPECT_EQ(resolve_attention_kernel(AttentionKernel::kAuto, qk(256, at::kFloat),
+                                     qk(256, at::kFloat), 0.0),
+            AttentionKernel::kSdpa);
+  EXPECT_EQ(resolve_attention_kernel(AttentionKernel::kAuto, qk(35, at::kFloat),
+                                     qk(35, at::kFloat), 0.0),
+            AttentionKernel::kManual);
+  EXPECT_EQ(resolve_attention_kernel(AttentionKernel::kAuto, qk(256, at::kFloat),
+                                     qk(256, at::kFloat), 0.1),
+            AttentionKernel::kManual);
+  EXPECT_EQ(resolve_attention_kernel(AttentionKernel::kAuto, qk(256, at::kBFloat16),
+                                     qk(256, at::kBFloat16), 0.0),
+            AttentionKernel::kManual);
+  EXPECT_EQ(resolve_attention_kernel(AttentionKernel::kManual, qk(1024, at::kFloat),
+                                     qk(1024, at::kFloat), 0.0),
+            AttentionKernel::kManual);
+
+  const int64_t T = 256, E = 16, H = 2;
+  at::Tensor x = at::randn({1, T, E});
+  at::Tensor mask = fsdp::demos::causal_mask(T);
+  auto out = [&](AttentionKernel kernel) {
+    torch::manual_seed(2);
+    fsdp::demos::MultiheadAttention mha(E, H);
+    mha.kernel = kernel;
+    return mha(x, at::Tensor(), mask).detach();
+  };
+  const at::Tensor automatic = out(AttentionKernel::kAuto);
+  EXPECT_TRUE(at::equal(automatic, out(AttentionKernel::kSdpa)));
+  EXPECT_TRUE(at::allclose(automatic, out(AttentionKernel::kManual), 1e-5, 1e-6));
+}
+
 TEST(Models, CausalMaskValues) {
   at::Tensor m = fsdp::demos::causal_mask(3);
   EXPECT_EQ(m[0][0].item<float>(), 0.0f);

@@ -112,7 +112,7 @@ TEST(TrainerRanks, GlobalLossSyncDistAndPerRankResultsAtWorld3) {
   const std::string self = fs::read_symlink("/proc/self/exe").string();
   auto r = fsdp::testing::run_process(
       {self, "--gtest_filter=TrainerRanks.GlobalLossSyncDistAndPerRankResultsAtWorld3"},
-      {{kEnvInner, dir.string()}, {"FSDP_NUM_THREADS", "1"}}, 300);
+      {{kEnvInner, dir.string()}, {"FSDP_NUM_THREADS", "1"}, {"GTEST_COLOR", "no"}}, 300);
   EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
   EXPECT_NE(r.out.find("[  PASSED  ] 1 test"), std::string::npos) << r.out << r.err;
   EXPECT_TRUE(fs::exists(dir / "version_0" / "metrics.csv"));

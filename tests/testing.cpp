@@ -27,6 +27,7 @@
 #include <unistd.h>
 
 #include <ATen/Parallel.h>
+#include <nlohmann/json.hpp>
 
 #include <atomic>
 #include <chrono>
@@ -485,6 +486,25 @@ std::string bin_path(const std::string& program) {
   // The FSDP_BIN_DIR environment variable overrides the build's bin directory.
   std::string dir = get_env("FSDP_BIN_DIR", FSDP_BIN_DIR);
   return dir + "/" + program;
+}
+
+nlohmann::json fsdp_train_summary(const std::vector<std::string>& extra, const std::string& tag) {
+  const fs::path dir = fs::temp_directory_path() /
+                       ("fsdp_test_cli_" + std::to_string(::getpid()) + "_" + tag);
+  fs::create_directories(dir);
+  std::vector<std::string> argv = {bin_path("fsdp-train"), "--model", "transformer-tiny",
+                                   "--data", "synthetic", "--dropout", "0", "--seed", "7",
+                                   "--max-steps", "10", "--no-progress-bar", "--default-root-dir",
+                                   (dir / "logs").string(), "--summary-json",
+                                   (dir / "summary.json").string()};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  const ProcResult r = run_process(argv, {}, 300);
+  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+  std::ifstream f(dir / "summary.json");
+  EXPECT_TRUE(f.good()) << "no --summary-json written\n" << r.out << r.err;
+  nlohmann::json j = f.good() ? nlohmann::json::parse(f) : nlohmann::json::object();
+  fs::remove_all(dir);
+  return j;
 }
 
 std::string wikitext2_dir() {

@@ -12,6 +12,8 @@
 
 #include "fsdp/comm.h"
 
+#include <nlohmann/json_fwd.hpp>
+
 #include <functional>
 #include <map>
 #include <string>
@@ -38,6 +40,10 @@ ProcResult run_process(const std::vector<std::string>& argv,
 
 // Path of a program built under build/bin (e.g. "fsdp-train").
 std::string bin_path(const std::string& program);
+// fsdp-train on transformer-tiny (synthetic data, dropout 0, seed 7, 10 steps, no progress bar)
+// followed by `extra` flags: its --summary-json object, or an empty object after a failed
+// expectation when the run fails. `tag` makes the run's temporary directory unique.
+nlohmann::json fsdp_train_summary(const std::vector<std::string>& extra, const std::string& tag);
 // ../shared/data/wikitext-2 relative to the source tree, or "" when absent.
 std::string wikitext2_dir();
 

@@ -7,8 +7,10 @@
 
 #include "fsdp/activation_checkpointing.h"
 #include "fsdp/comm.h"
+#include "fsdp/cpu_adam.h"
 #include "fsdp/data.h"
 #include "fsdp/ddp.h"
+#include "fsdp/deepspeed.h"
 #include "fsdp/fsdp_strategy.h"
 #include "fsdp/init.h"
 #include "fsdp/launcher.h"

@@ -112,6 +112,12 @@ struct FSDPOptions {
   // called apply_activation_checkpointing itself in configure_model. Empty: off.
   fsdp::nn::ModuleTypes activation_checkpointing_policy;
 
+  // Parameters the engine leaves alone (FSDP2's fully_shard(ignored_params)): they stay
+  // registered whole on every rank, belong to no unit, and their gradients are not reduced:
+  // whoever sets this reduces them (DeepSpeedStrategy's stage-3 persistent parameters).
+  // parameter_counts, local_shards and gather_full_params do not list them.
+  std::vector<at::Tensor> ignored_params;
+
   // --- owned by later issues: present so configurations can name them, but any non-default
   // value is refused with "not supported yet" until the feature works.
   bool cpu_offload = false;
@@ -144,8 +150,8 @@ class FSDPStrategy : public Strategy {
 
   void enter_configure_model() override;
   void exit_configure_model() override;
-  // "bf16-mixed" becomes MixedPrecisionPolicy{bf16, bf16, bf16} unless options.mixed_precision
-  // is set (explicit wins); the other precisions are left to the Trainer.
+  // "bf16-mixed" / "16-mixed" become MixedPrecisionPolicy{bf16 / fp16 for all three} unless
+  // options.mixed_precision is set (explicit wins); the other precisions are left to the Trainer.
   bool connect_precision(Precision precision) override;
   // Builds the units (manual wraps, else the auto-wrap policy), checks the memory budget,
   // shards every parameter and installs the hooks.

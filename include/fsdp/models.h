@@ -40,6 +40,28 @@ namespace fsdp::demos {
 // attend to positions <= t). Same as nn.Transformer.generate_square_subsequent_mask.
 at::Tensor causal_mask(int64_t t, const at::TensorOptions& options = at::kFloat);
 
+// Which kernel computes softmax(q k^T / sqrt(D) + mask) v inside MultiheadAttention.
+// See Note [Attention kernel] in src/models/attention.cpp for the measurements behind kAuto.
+enum class AttentionKernel {
+  kAuto,    // at::scaled_dot_product_attention where it measured faster on CPU, else kManual
+  kManual,  // baddbmm (scale and mask fused) + softmax + dropout + bmm
+  kSdpa,    // at::scaled_dot_product_attention, dropout inside it
+};
+
+// The kernel kAuto stands for, given the query (B, H, T, D), the key (B, H, S, D) and the
+// dropout probability in effect (0 in eval mode): kSdpa for fp32 without dropout when
+// T * S >= 256 * 256, else kManual.
+AttentionKernel resolve_attention_kernel(AttentionKernel kernel, const at::Tensor& q,
+                                         const at::Tensor& k, double dropout_p);
+
+// softmax(q k^T / sqrt(D) + mask) v, with dropout p on the attention weights:
+//   q (B, H, T, D), k and v (B, H, S, D) (any strides with unit stride in D), mask (T, S)
+//   additive or undefined; returns (B, H, T, D). Under kSdpa a causal mask (causal_mask(T)) is
+//   recognised and passed as is_causal, so the kernel skips the masked blocks.
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const at::Tensor& mask, double dropout_p,
+                     AttentionKernel kernel = AttentionKernel::kAuto);
+
 // Multi-head attention like torch.nn.MultiheadAttention (fused in-projection weight (3E, E) and
 // bias (3E), out_proj (E, E) + bias, dropout on the attention weights), but batch first:
 //   forward({query, key_value, attn_mask})
@@ -47,7 +69,7 @@ at::Tensor causal_mask(int64_t t, const at::TensorOptions& options = at::kFloat)
 //     key_value  (B, S, E), or undefined for self-attention (key = value = query)
 //     attn_mask  (T, S) additive float mask, or undefined for none
 //   returns      (B, T, E)
-// Heads are computed together with batched matmuls (no per-head loop).
+// Heads are computed together (batched matmuls or one SDPA call; no per-head loop).
 class MultiheadAttention : public fsdp::nn::Module {
  public:
   MultiheadAttention(int64_t embed_dim, int64_t num_heads, double dropout = 0.0);
@@ -55,6 +77,8 @@ class MultiheadAttention : public fsdp::nn::Module {
 
   int64_t embed_dim() const { return embed_dim_; }
   int64_t num_heads() const { return num_heads_; }
+
+  AttentionKernel kernel = AttentionKernel::kAuto;  // benchmarks and tests pin one
 
   at::Tensor in_proj_weight;  // (3E, E): rows [q; k; v]
   at::Tensor in_proj_bias;    // (3E)

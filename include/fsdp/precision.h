@@ -15,8 +15,18 @@
 //                single / DDP: CPU autocast to bf16 around training_step, fp32 parameters.
 //   "bf16-true"  the model is cast to bf16 after configure_model: parameters, gradients,
 //                optimizer state and compute in bf16.
-//   "16-mixed", "16-true"  refused: CPU libtorch 1.13 has no fp16 matmul.
+//   "16-mixed"   as bf16-mixed with fp16 (FSDP: MixedPrecisionPolicy{fp16, fp16, fp16}; other
+//                strategies: CPU autocast to fp16), plus dynamic loss scaling: the Trainer
+//                scales the loss by a ShardedGradScaler and skips the optimizer step on every
+//                rank when any rank's unscaled gradients hold inf/nan (Lightning's 16-mixed).
+//   "16-true"    the model is cast to fp16 after configure_model (no loss scaling, as
+//                Lightning). Adam/AdamW need an eps that fp16 can hold (>= 6e-8; 1e-4 is
+//                safe): the default 1e-8 rounds to 0 and a zero gradient becomes 0/0 = NaN,
+//                which the Trainer refuses up front.
 //   "64-true"    the model is cast to fp64 after configure_model (alias "64").
+// fp16 on CPU needs libtorch 2.x (1.13 had no fp16 matmul), and is fast only where oneDNN has
+// fp16 kernels (AVX512-FP16 / AMX-FP16); elsewhere it is correct but far slower than fp32 and
+// bf16 (README "Precision": measured ~100x on this machine's AVX-512-BF16 CPU).
 #pragma once
 
 #include "fsdp/comm.h"
@@ -26,6 +36,7 @@
 #include <torch/optim/optimizer.h>
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -59,17 +70,34 @@ enum class Precision { k32True, kBf16Mixed, kBf16True, k16Mixed, k16True, k64Tru
 Precision parse_precision(const std::string& name);
 const char* to_string(Precision precision);
 std::vector<std::string> precision_names();  // every accepted spelling, aliases included
-// Throws the one-sentence fp16 error for "16-mixed"/"16-true"; does nothing for the others.
+// Throws a one-sentence error when this libtorch cannot compute `precision` on CPU ("16-mixed"
+// and "16-true" need fp16 matmul, probed once); does nothing otherwise.
 void check_precision_supported(Precision precision);
+// "16-mixed" / "16-true" on a CPU where libtorch has no fast fp16 matmul (its oneDNN fp16
+// kernels need AVX512-FP16 or AMX-FP16; without them fp16 GEMM falls back to a scalar loop,
+// measured ~100x slower than fp32 here): one line saying so, printed by the Trainer on global
+// rank 0. nullopt otherwise.
+std::optional<std::string> precision_performance_warning(Precision precision);
+// Throws when CPU matmul in `dtype` is not implemented by the libtorch this runs on (probed
+// once per dtype with a 2x2 matmul); `who` starts the message, e.g. "[precision] '16-mixed'".
+void check_cpu_matmul_supported(at::ScalarType dtype, const std::string& who);
 // bf16-mixed under FSDP: {bf16, bf16, bf16}.
 MixedPrecisionPolicy bf16_mixed_policy();
+// 16-mixed under FSDP: {fp16, fp16, fp16} (as Lightning's FSDPPrecision for "16-mixed").
+MixedPrecisionPolicy fp16_mixed_policy();
+// The FSDP policy of "bf16-mixed" / "16-mixed"; nullopt for the others.
+std::optional<MixedPrecisionPolicy> mixed_precision_policy(Precision precision);
+// The CPU autocast dtype of "bf16-mixed" / "16-mixed" outside FSDP; nullopt for the others.
+std::optional<at::ScalarType> autocast_dtype(Precision precision);
+// Whether the Trainer scales the loss (a ShardedGradScaler over the world): "16-mixed" only.
+bool uses_grad_scaler(Precision precision);
 
 // RAII: CPU autocast to `dtype` while alive, as Lightning's MixedPrecision plugin does for
-// "bf16-mixed" on CPU (matmul-like ops run in bf16, parameters stay fp32). enabled=false does
-// nothing. Nests; the cast cache is cleared when the outermost guard ends.
+// "bf16-mixed" / "16-mixed" on CPU (matmul-like ops run in bf16/fp16, parameters stay fp32).
+// nullopt does nothing. Nests; the cast cache is cleared when the outermost guard ends.
 class CpuAutocastGuard {
  public:
-  explicit CpuAutocastGuard(bool enabled, at::ScalarType dtype = at::kBFloat16);
+  explicit CpuAutocastGuard(std::optional<at::ScalarType> dtype);
   ~CpuAutocastGuard();
   CpuAutocastGuard(const CpuAutocastGuard&) = delete;
   CpuAutocastGuard& operator=(const CpuAutocastGuard&) = delete;
@@ -81,7 +109,7 @@ class CpuAutocastGuard {
 };
 
 // RAII: torch's default dtype while alive, so modules built in configure_model create their
-// parameters in it ("bf16-true", "64-true"; Lightning's init context does the same).
+// parameters in it ("bf16-true", "16-true", "64-true"; Lightning's init context does the same).
 class DefaultDtypeGuard {
  public:
   explicit DefaultDtypeGuard(std::optional<at::ScalarType> dtype);
@@ -93,8 +121,12 @@ class DefaultDtypeGuard {
   std::optional<caffe2::TypeMeta> prev_;
 };
 
-// The dtype "bf16-true" / "64-true" train in; nullopt for the others.
+// The dtype "bf16-true" / "16-true" / "64-true" train in; nullopt for the others.
 std::optional<at::ScalarType> true_precision_dtype(Precision precision);
+// "16-true": throws when an Adam/AdamW parameter group's eps rounds to 0 in fp16 (the default
+// 1e-8 does): the first exactly-zero gradient would turn its parameter into 0/0 = NaN. The
+// Trainer calls it after configure_optimizers; does nothing for other precisions.
+void check_optimizer_precision(const torch::optim::Optimizer& optimizer, Precision precision);
 
 // Loss scaling for fp16 training over sharded gradients (Lightning's ShardedGradScaler).
 //
@@ -124,8 +156,15 @@ class ShardedGradScaler {
   // unscale (if not yet done) and optimizer.step() unless inf/nan was found. Returns whether
   // the step ran.
   bool step(torch::optim::Optimizer& optimizer);
+  // Same, with the step itself done by `step_fn` (the Trainer passes its strategy's
+  // optimizer_step). Returns whether it ran.
+  bool step(torch::optim::Optimizer& optimizer, const std::function<void()>& step_fn);
   // Backoff after a skipped step; growth after growth_interval clean steps in a row.
   void update();
+  // Checkpoint state (Lightning keeps the scaler's state_dict in the checkpoint): a JSON object
+  // {"scale", "growth_tracker", "skipped_steps"} as text, and back.
+  std::string state_dict() const;
+  void load_state_dict(const std::string& state);
 
   double get_scale() const { return scale_; }
   bool found_inf() const { return found_inf_; }

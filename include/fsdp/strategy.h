@@ -6,6 +6,7 @@
 //   [enter_configure_model(); module.configure_model(); exit_configure_model()]
 //   setup_module(module)                      broadcast (ddp) / shard (fsdp) the parameters
 //   module.configure_optimizers()             sees module.parameters() as the strategy left them
+//   configure_optimizers(module, config)      a strategy's configured optimizer replaces it
 //   setup_optimizer(optimizer)
 //   per micro-batch:
 //     pre_forward(module, sync)               sync=false on non-boundary micro-batches (no_sync)
@@ -39,6 +40,8 @@
 namespace fsdp {
 
 class LightningModule;
+struct OptimizerConfig;
+struct TrainerOptions;
 
 // --- Dim-0 sharding, as the checkpointer sees it.
 //
@@ -62,6 +65,11 @@ struct LocalShard {
   std::vector<int64_t> full_shape;  // the parameter's full shape
   int64_t shard_rows = 0;           // rows every rank holds
   RowRange rows;                    // the real (unpadded) rows this rank holds
+  // Set when the registered parameter is held whole by every rank and only its optimizer state
+  // is split (ZeRO stages 1 and 2): `param` is the registered parameter, `local` the view of
+  // this rank's rows (exactly rows.size() rows, no padding) that the optimizer steps and keys
+  // its state by. Undefined when `local` is the registered parameter (FSDP).
+  at::Tensor param;
 };
 
 // How this rank holds the model's parameters.
@@ -91,12 +99,21 @@ class Strategy {
   virtual void exit_configure_model() {}
 
   // The Trainer's precision, before configure_model. Returns true when the strategy carries it
-  // out itself (FSDP: "bf16-mixed" becomes its MixedPrecisionPolicy); false leaves it to the
-  // Trainer ("bf16-mixed": CPU autocast around the steps; "*-true": the model is built in that
-  // dtype).
+  // out itself (FSDP: "bf16-mixed" / "16-mixed" become its MixedPrecisionPolicy); false leaves
+  // it to the Trainer ("bf16-mixed" / "16-mixed": CPU autocast around the steps; "*-true": the
+  // model is built in that dtype). 16-mixed's loss scaling is the Trainer's either way.
   virtual bool connect_precision(Precision precision) { return false; }
 
+  // A strategy whose own configuration fixes training settings (a DeepSpeed JSON config:
+  // precision, gradient clipping, accumulation) writes them into the Trainer's options when the
+  // Trainer takes the strategy; an option the user set to a different value is an error.
+  virtual void configure_trainer(TrainerOptions& options) const {}
+
   virtual void setup_module(LightningModule& module) = 0;
+  // After module.configure_optimizers(): a strategy whose configuration defines the optimizer
+  // and scheduler (a DeepSpeed config's "optimizer" / "scheduler") replaces `config` with them,
+  // built over the set-up module's parameters.
+  virtual void configure_optimizers(LightningModule& module, OptimizerConfig& config) {}
   virtual void setup_optimizer(torch::optim::Optimizer& optimizer) {}
 
   virtual void pre_forward(LightningModule& module, bool sync) {}
@@ -144,6 +161,13 @@ class Strategy {
   LaunchInfo launch_;
 };
 using StrategyPtr = std::shared_ptr<Strategy>;
+
+// Clips `grads` -- disjoint parts of the model's gradients, spread over the ranks of `group`
+// (shards, partitions; zero padding allowed) -- to a global L2 norm of at most max_norm, as
+// torch.nn.utils.clip_grad_norm_ would over the whole gradients: the sums of squares are
+// all-reduced over the group. Returns the norm before clipping. Collective over `group`.
+double clip_grad_norm_of_parts(const std::vector<at::Tensor>& grads, ProcessGroup& group,
+                               double max_norm);
 
 // The strategy whose configure_model context is active (nullptr outside configure_model).
 Strategy* active_strategy();

@@ -34,6 +34,7 @@
 #include "fsdp/init.h"
 #include "fsdp/launcher.h"
 #include "fsdp/lightning.h"
+#include "fsdp/precision.h"
 #include "fsdp/strategy.h"
 #include "fsdp/strategy_registry.h"
 
@@ -83,8 +84,9 @@ struct TrainerOptions {
   // fsdp/precision.h: "32-true" (alias "32"); "bf16-mixed" (FSDP: MixedPrecisionPolicy
   // {bf16, bf16, bf16} unless the FSDPStrategy has its own; other strategies: CPU autocast to
   // bf16 with fp32 parameters); "bf16-true" (model built in bf16: parameters, compute and
-  // optimizer state); "64-true" (alias "64", fp64). "16-mixed"/"16-true" fail: CPU libtorch
-  // has no fp16 matmul.
+  // optimizer state); "16-mixed" (as bf16-mixed in fp16, plus loss scaling by a
+  // ShardedGradScaler that skips steps with inf/nan gradients); "16-true" (model in fp16, no
+  // loss scaling; Adam's eps must not round to 0 in fp16); "64-true" (alias "64", fp64).
   std::string precision = "32-true";
   // Stop after this many epochs / optimizer steps, whichever comes first. Both unset
   // (-1): max_epochs = 1000, as Lightning.
@@ -107,8 +109,9 @@ struct TrainerOptions {
   std::string default_root_dir = "fsdp_logs";
   // >= 0: seed_everything(seed) before configure_model (same model on every rank).
   int64_t seed = -1;
-  // "auto" | "gloo" | "mpi" ("auto": mpi under mpirun, else gloo). Env FSDP_BACKEND overrides
-  // "auto".
+  // "auto" | "gloo" | "mpi". "auto" (env FSDP_BACKEND overrides it): mpi when launched by
+  // mpirun, or on one host when MPI is built and mpirun is on PATH (the program re-runs itself
+  // through mpirun); gloo otherwise. Rank 0 prints the choice and why (README "Process groups").
   std::string process_group_backend = "auto";
   bool logger = true;              // false: no CSV file
   bool enable_summary = true;      // end-of-run summary (it/s, memory table) on rank 0
@@ -135,6 +138,7 @@ struct FitResults {
   int64_t micro_batches = 0;       // training micro-batches run (per rank)
   double seconds = 0;              // wall time of the training loop
   double it_per_s = 0;             // optimizer steps per second, first step (warm-up) excluded
+  int64_t skipped_steps = 0;       // "16-mixed": optimizer steps the grad scaler skipped (inf/nan)
   // Per optimizer step: seconds from the start of the training loop to the end of the step
   // (after its loss was averaged over the ranks, a synchronization point), on this rank's
   // clock. Benchmarks compute it/s over any warm-up from it, as they do for their peers.
@@ -205,6 +209,8 @@ class Trainer {
   // validation metrics after each validation, epoch metrics at epoch end), as Lightning's
   // trainer.callback_metrics. sync_dist metrics are equal on every rank; others are this rank's.
   const std::map<std::string, double>& callback_metrics() const { return callback_metrics_; }
+  // "16-mixed": the loss scaler of the current/last fit (null for other precisions).
+  const ShardedGradScaler* grad_scaler() const { return grad_scaler_.get(); }
 
   // Names accepted by TrainerOptions::precision / accelerator.
   static std::vector<std::string> precision_names();
@@ -232,7 +238,8 @@ class Trainer {
   ProcessGroupPtr world_;
   StrategyPtr strategy_;
   LightningModule* configured_module_ = nullptr;  // configure_model + setup_module done
-  bool cpu_autocast_ = false;  // bf16-mixed that the strategy leaves to the Trainer
+  // bf16-mixed / 16-mixed that the strategy leaves to the Trainer: the CPU autocast dtype.
+  std::optional<at::ScalarType> cpu_autocast_;
   int64_t global_step_ = 0;
   int64_t current_epoch_ = 0;
   FitResults results_;
@@ -246,6 +253,7 @@ class Trainer {
   int64_t next_batch_ = 0;
   std::map<std::string, double> callback_metrics_;
   std::vector<CallbackPtr> fit_callbacks_;  // options_.callbacks + the checkpoint_dir sugar
+  std::unique_ptr<ShardedGradScaler> grad_scaler_;  // "16-mixed" only
 };
 
 }  // namespace fsdp

@@ -3,6 +3,7 @@
 #include "fsdp/checkpoint.h"
 
 #include "ckpt/layout.h"
+#include "fsdp/cpu_adam.h"
 #include "fsdp/strategy.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -78,7 +79,30 @@ struct Layout {
   int shard_rank = 0;
   int replica_rank = 0;                // index of this rank's replica (0 writes)
   std::map<const c10::TensorImpl*, std::string> param_fqn;  // registered tensor -> FQN
+  // Parameters held whole whose optimizer state is split (ZeRO stages 1 and 2; LocalShard::param
+  // set): registered tensor -> the partition the optimizer steps.
+  std::unordered_map<const c10::TensorImpl*, LocalShard> partitions;
 };
+
+// The optimizer-state layout of a parameter: its own (`param`), or its partition's when the
+// optimizer steps a partition of a whole parameter (ZeRO stages 1 and 2).
+LocalTensor optimizer_layout(const Layout& L, const LocalTensor& param,
+                             const at::Tensor& registered, at::Tensor* opt_tensor) {
+  auto z = L.partitions.find(registered.unsafeGetTensorImpl());
+  if (z == L.partitions.end()) {
+    *opt_tensor = registered;
+    return param;
+  }
+  const LocalShard& shard = z->second;
+  *opt_tensor = shard.local;
+  LocalTensor t = param;
+  t.local = shard.local.detach();
+  t.shard_rows = shard.shard_rows;
+  t.row_begin = shard.rows.begin;
+  t.rows = shard.rows.size();
+  t.sharded = true;
+  return t;
+}
 
 // libtorch 2.x keys optimizer state by the parameter's TensorImpl pointer.
 void* state_key(const at::Tensor& p) {
@@ -86,11 +110,13 @@ void* state_key(const at::Tensor& p) {
 }
 
 std::string optimizer_kind(torch::optim::Optimizer& opt) {
+  // fsdp::optim::CPUAdam keeps libtorch's AdamW / Adam state: its checkpoints are theirs.
+  if (auto* cpu = dynamic_cast<fsdp::optim::CPUAdam*>(&opt)) return cpu->adamw_mode() ? "adamw" : "adam";
   if (dynamic_cast<torch::optim::AdamW*>(&opt)) return "adamw";
   if (dynamic_cast<torch::optim::Adam*>(&opt)) return "adam";
   if (dynamic_cast<torch::optim::SGD*>(&opt)) return "sgd";
   TORCH_CHECK(false, "[checkpoint] optimizer state of this optimizer type is not supported yet "
-              "(supported: Adam, AdamW, SGD); save weights only (optimizer = nullptr)");
+              "(supported: Adam, AdamW, SGD, fsdp::optim::CPUAdam); save weights only (optimizer = nullptr)");
 }
 
 // (stat name, tensor) of one parameter's optimizer state; empty when it has none yet.
@@ -129,7 +155,11 @@ Layout build_layout(Strategy* strategy, torch::nn::Module& module,
     L.shard_rank = L.shard_group ? L.shard_group->rank() : 0;
     L.replica_rank = held.replica_rank;
     for (auto& shard : held.params) {
-      shards.emplace(shard.local.unsafeGetTensorImpl(), std::move(shard));
+      if (shard.param.defined()) {
+        L.partitions.emplace(shard.param.unsafeGetTensorImpl(), std::move(shard));
+      } else {
+        shards.emplace(shard.local.unsafeGetTensorImpl(), std::move(shard));
+      }
     }
   }
   for (const auto& item : module.named_parameters(/*recurse=*/true)) {
@@ -170,19 +200,21 @@ Layout build_layout(Strategy* strategy, torch::nn::Module& module,
     json steps = json::object();
     for (const auto& item : module.named_parameters(/*recurse=*/true)) {
       int64_t step = 0;
-      auto stats = optimizer_stats(*optimizer, item.value(), &step);
-      if (stats.empty()) continue;
-      const LocalTensor* p = nullptr;
+      const LocalTensor* param = nullptr;
       for (const auto& m : L.model) {
-        if (m.key == item.key()) p = &m;
+        if (m.key == item.key()) param = &m;
       }
-      TORCH_INTERNAL_ASSERT(p);
+      TORCH_INTERNAL_ASSERT(param);
+      at::Tensor opt_tensor;
+      const LocalTensor p = optimizer_layout(L, *param, item.value(), &opt_tensor);
+      auto stats = optimizer_stats(*optimizer, opt_tensor, &step);
+      if (stats.empty()) continue;
       steps[item.key()] = step;
       for (auto& [name, tensor] : stats) {
-        LocalTensor t = *p;
+        LocalTensor t = p;
         t.key = std::string(ckpt::kOptimPrefix) + item.key() + "." + name;
         t.local = tensor.detach().contiguous();
-        TORCH_INTERNAL_ASSERT(t.local.numel() == p->local.numel(), "optimizer state '", t.key,
+        TORCH_INTERNAL_ASSERT(t.local.numel() == p.local.numel(), "optimizer state '", t.key,
                               "' does not match its parameter's shape");
         L.optimizer.push_back(t);
       }
@@ -240,6 +272,12 @@ void write_full(const std::string& file, const std::vector<LocalTensor>& ts, con
     const LocalTensor& t = ts[i];
     if (t.sharded) {
       at::Tensor in = t.local.reshape({-1});
+      const int64_t padded = t.shard_rows * t.row_numel();
+      if (in.numel() < padded) {  // a partition holds its rows only: pad for the all-gather
+        at::Tensor full = at::zeros({padded}, in.options());
+        full.narrow(0, 0, in.numel()).copy_(in);
+        in = full;
+      }
       at::Tensor out = at::empty({in.numel() * L.shard_world}, in.options());
       L.shard_group->all_gather_into_tensor(out, in);
       if (w) w->write(out.data_ptr(), static_cast<size_t>(t.full_nbytes()));
@@ -447,8 +485,9 @@ TrainingProgress load_checkpoint(const std::string& dir, Strategy& strategy,
   // Optimizer: state for every parameter the checkpoint has state for.
   struct OptLoad {
     std::string fqn;
-    at::Tensor param;  // as registered (sharded parameter under FSDP)
-    const LocalTensor* layout;
+    at::Tensor param;    // what the optimizer steps: as registered (sharded under FSDP), or
+                         // the partition of a whole parameter (ZeRO stages 1 and 2)
+    LocalTensor layout;  // its rows
   };
   std::vector<OptLoad> opt_loads;
   if (optimizer) {
@@ -468,7 +507,10 @@ TrainingProgress load_checkpoint(const std::string& dir, Strategy& strategy,
       for (const auto& m : L.model) {
         if (m.key == item.key()) lt = &m;
       }
-      opt_loads.push_back({item.key(), item.value(), lt});
+      TORCH_INTERNAL_ASSERT(lt);
+      at::Tensor opt_tensor;
+      LocalTensor layout = optimizer_layout(L, *lt, item.value(), &opt_tensor);
+      opt_loads.push_back({item.key(), opt_tensor, layout});
     }
   }
 
@@ -482,11 +524,11 @@ TrainingProgress load_checkpoint(const std::string& dir, Strategy& strategy,
         const ckpt::SourceTensor* s = src->find(key);
         TORCH_CHECK(s || !required, "[checkpoint] ", dir, " lacks optimizer tensor '", key, "'");
         if (!s) return {};
-        TORCH_CHECK(s->shape == ol.layout->full_shape, "[checkpoint] ", key, " is ",
+        TORCH_CHECK(s->shape == ol.layout.full_shape, "[checkpoint] ", key, " is ",
                     ckpt::shape_str(s->shape), ", its parameter ",
-                    ckpt::shape_str(ol.layout->full_shape));
+                    ckpt::shape_str(ol.layout.full_shape));
         at::Tensor t = at::zeros_like(ol.param.detach(), at::MemoryFormat::Contiguous);
-        LocalTensor lt = *ol.layout;
+        LocalTensor lt = ol.layout;
         lt.key = key;
         read_local(*src, lt, t);
         return t;

@@ -20,6 +20,10 @@ namespace fsdp {
 namespace fs = std::filesystem;
 
 namespace {
+// The "callbacks" entry holding the 16-mixed ShardedGradScaler state (Lightning stores its
+// precision plugin's state under the plugin's name, "MixedPrecision").
+constexpr const char* kGradScalerStateKey = "MixedPrecision";
+
 // Sets a member for the duration of one call.
 struct ResumeGuard {
   std::string& slot;
@@ -61,6 +65,9 @@ void Trainer::save_checkpoint(const std::string& path) {
                 "state_dict() that is not a JSON object: ", cb->state_dict());
     states[key] = st;
   }
+  // 16-mixed: the loss scale and its growth count, under the key Lightning uses for its
+  // precision plugin's state, so a resumed run scales (and skips) exactly as the original.
+  if (grad_scaler_) states[kGradScalerStateKey] = nlohmann::json::parse(grad_scaler_->state_dict());
   if (!states.empty()) progress.callback_states = states.dump();
   fsdp::save_checkpoint(path, *strategy_, *fit_module_, fit_opt_.optimizer.get(), progress,
                         parse_state_dict_type(options_.state_dict_type));
@@ -80,6 +87,8 @@ void Trainer::resume_from_checkpoint() {
         auto it = states.find(cb->state_key());
         if (!cb->state_key().empty() && it != states.end()) cb->load_state_dict(it->dump());
       }
+      auto scaler = states.find(kGradScalerStateKey);
+      if (grad_scaler_ && scaler != states.end()) grad_scaler_->load_state_dict(scaler->dump());
     }
   }
   print("[fsdp] resumed from " + resume_path_ + " at step " + std::to_string(global_step_) +

@@ -3,6 +3,7 @@
 // See Note [Gloo backend] in docs/design.md for why this is not c10d's ProcessGroupGloo.
 #include "comm/gloo_transport.h"
 
+
 #include <gloo/allgather.h>
 #include <gloo/allreduce.h>
 #include <gloo/alltoall.h>
@@ -12,7 +13,6 @@
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/store.h>
 #include <gloo/transport/tcp/device.h>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <arpa/inet.h>
 #include <dlfcn.h>
@@ -262,45 +262,22 @@ std::shared_ptr<::gloo::transport::Device> make_device(const std::string& master
 }  // namespace
 
 GlooWorld make_gloo_world(const GlooWorldOptions& options) {
-  TORCH_CHECK(options.master_port > 0 && options.master_port < 65536,
-              "[init_process_group] gloo backend at world size ", options.size,
-              " needs MASTER_PORT (got ", options.master_port,
-              "); start the ranks with fsdp-run, or set MASTER_ADDR and MASTER_PORT");
   check_gloo_symbols();
-  // Rendezvous can wait for slow-starting ranks longer than one collective may take.
-  auto store_timeout = std::max<std::chrono::milliseconds>(options.timeout, std::chrono::minutes(1));
-  c10d::TCPStoreOptions so;
-  so.port = static_cast<std::uint16_t>(options.master_port);
-  so.isServer = options.rank == 0;
-  so.numWorkers = options.size;
-  so.waitWorkers = true;
-  so.timeout = store_timeout;
-  c10::intrusive_ptr<c10d::Store> store;
-  try {
-    store = c10::make_intrusive<c10d::TCPStore>(options.master_addr, so);
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, "[init_process_group] rank ", options.rank,
-                " could not rendezvous at MASTER_ADDR:MASTER_PORT = ", options.master_addr, ":",
-                options.master_port, " (world size ", options.size, "): ", e.what(),
-                "\n---> HINT: is rank 0 running and the port free? All ranks must use the same "
-                "MASTER_ADDR/MASTER_PORT.");
-  }
-  auto device = make_device(options.master_addr, options.master_port);
+  RendezvousOptions ro = options.rendezvous;
+  ro.local_address = is_loopback(ro.master_addr) ? "127.0.0.1"
+                                                 : local_address_towards(ro.master_addr, ro.master_port);
+  Rendezvous rv = rendezvous(ro);
+  auto device = make_device(ro.master_addr, ro.master_port);
   GlooWorld world;
   try {
-    world.transport = std::make_unique<GlooTransport>(store, "world/", options.rank, options.size,
+    world.transport = std::make_unique<GlooTransport>(rv.store, "world/", ro.rank, ro.size,
                                                       device, options.timeout);
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "[init_process_group] rank ", options.rank, " could not connect to the ",
-                options.size - 1, " other ranks over gloo (device ", device->str(), "): ", e.what());
+    TORCH_CHECK(false, "[init_process_group] rank ", ro.rank, " could not connect to the ",
+                ro.size - 1, " other ranks over gloo (device ", device->str(), "): ", e.what());
   }
-  c10d::TCPStoreOptions mo;
-  mo.port = so.port;
-  mo.isServer = false;
-  mo.waitWorkers = false;
-  mo.timeout = std::chrono::seconds(10);
-  world.monitor_store = c10::make_intrusive<c10d::TCPStore>(options.master_addr, mo);
   // The rendezvous store must outlive the groups: GlooTransport keeps root_store_.
+  world.monitor_store = rv.monitor_store;
   return world;
 }
 

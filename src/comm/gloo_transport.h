@@ -4,6 +4,7 @@
 #pragma once
 
 #include "comm/process_group_impl.h"
+#include "comm/rendezvous.h"
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
@@ -14,11 +15,8 @@
 namespace fsdp::detail {
 
 struct GlooWorldOptions {
-  int rank = 0;
-  int size = 1;
-  std::string master_addr = "127.0.0.1";
-  int master_port = 0;
-  std::chrono::milliseconds timeout{std::chrono::minutes(10)};
+  RendezvousOptions rendezvous;  // rank, size, MASTER_ADDR:MASTER_PORT, job id
+  std::chrono::milliseconds timeout{std::chrono::minutes(10)};  // per collective
 };
 
 struct GlooWorld {

@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "comm/launcher_detail.h"
+#include "comm/rendezvous.h"
 
 namespace fsdp {
 
@@ -134,7 +135,9 @@ void on_rank0_exit(int status, void*) {
   }
 }
 
-// Intra-op threads: cores / local ranks (DESIGN.md §2: the default here is 1 thread).
+// Intra-op threads: cores / local ranks. libtorch 2.13 defaults to one thread per core, which
+// oversubscribes the cores as soon as two ranks share them (docs/design.md "Facts about
+// libtorch 2.13 on this machine": ~1000x slower matmuls under load).
 void set_threads(int local_ranks) {
   at::set_num_threads(threads_per_rank(local_ranks));
 }
@@ -295,6 +298,8 @@ LaunchInfo launch(const LaunchOptions& options) {
       {"MASTER_PORT", std::to_string(port)},
       {"GROUP_RANK", "0"},
       {kEnvLauncher, "spawn"},
+      // One job id for the ranks spawned here; see Note [Rendezvous handshake].
+      {"FSDP_JOB_ID", has_env("FSDP_JOB_ID") ? get_env("FSDP_JOB_ID") : random_job_id()},
   };
   for (const auto& [k, v] : common) ::setenv(k.c_str(), v.c_str(), 1);
   ::setenv("RANK", "0", 1);

@@ -1,8 +1,17 @@
 #include "comm/mpi_transport.h"
 
+#include "comm/rendezvous.h"
+
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <net/if.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
 #include <climits>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <unistd.h>
@@ -40,6 +49,34 @@ bool mpi_built() {
 #ifdef FSDP_WITH_MPI
 
 namespace {
+
+// Where rank 0's heartbeat store listens when ranks run on other hosts: MASTER_ADDR when it is
+// set and not loopback, else the first up, non-loopback IPv4 address of this host.
+std::string store_address_for_other_hosts() {
+  const char* master = std::getenv("MASTER_ADDR");
+  if (master && *master && std::string(master).rfind("127.", 0) != 0 &&
+      std::string(master) != "localhost") {
+    return master;
+  }
+  ifaddrs* list = nullptr;
+  std::string out;
+  if (getifaddrs(&list) == 0) {
+    for (ifaddrs* a = list; a && out.empty(); a = a->ifa_next) {
+      if (!a->ifa_addr || a->ifa_addr->sa_family != AF_INET) continue;
+      if ((a->ifa_flags & IFF_UP) == 0 || (a->ifa_flags & IFF_LOOPBACK) != 0) continue;
+      char text[INET_ADDRSTRLEN] = {};
+      if (inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(a->ifa_addr)->sin_addr, text,
+                    sizeof(text))) {
+        out = text;
+      }
+    }
+    freeifaddrs(list);
+  }
+  TORCH_CHECK(!out.empty(), "[mpi] rank 0's host has no non-loopback IPv4 address for the "
+              "heartbeat store; set MASTER_ADDR to an address the other hosts reach");
+  return out;
+}
+
 
 std::shared_ptr<CommThread>& mpi_thread() {
   // Leaked on purpose: finalize_mpi runs from atexit, after function-local statics created
@@ -200,23 +237,41 @@ MpiWorld make_mpi_world() {
     check_mpi(MPI_Comm_size(comm, &world.size), "MPI_Comm_size");
     world.transport = std::move(t);
     if (world.size == 1) return;
-    // Heartbeat store: rank 0 hosts it on a free port. See Note [Collective timeouts].
+    // Heartbeat store: rank 0 hosts it on a free port. See Note [Collective timeouts]. It
+    // listens on loopback when every rank shares rank 0's host, else on rank 0's address
+    // towards the others (MASTER_ADDR when set, else its first non-loopback IPv4 address).
     char rank0_host[256] = {0};
     char my_host[256] = {0};
     gethostname(my_host, sizeof(my_host) - 1);
+    if (world.rank == 0) std::memcpy(rank0_host, my_host, sizeof(rank0_host));
+    check_mpi(MPI_Bcast(rank0_host, sizeof(rank0_host), MPI_CHAR, 0, comm), "MPI_Bcast");
+    int remote = std::strcmp(rank0_host, my_host) != 0 ? 1 : 0, any_remote = 0;
+    check_mpi(MPI_Allreduce(&remote, &any_remote, 1, MPI_INT, MPI_MAX, comm), "MPI_Allreduce");
+    char rank0_addr[256] = {0};
     if (world.rank == 0) {
+      const std::string addr = any_remote ? store_address_for_other_hosts() : "127.0.0.1";
+      const int fd = listen_on(addr, 0);
+      TORCH_CHECK(fd >= 0, "[mpi] rank 0 cannot listen on ", addr,
+                  " for the heartbeat store: ", std::strerror(-fd),
+                  "; set MASTER_ADDR to an address of rank 0's host that the other hosts reach");
+      sockaddr_storage local{};
+      socklen_t len = sizeof(local);
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len);
+      port = ntohs(local.ss_family == AF_INET6
+                       ? reinterpret_cast<sockaddr_in6*>(&local)->sin6_port
+                       : reinterpret_cast<sockaddr_in*>(&local)->sin_port);
       c10d::TCPStoreOptions so;
-      so.port = 0;
+      so.port = static_cast<std::uint16_t>(port);
       so.isServer = true;
       so.waitWorkers = false;
       so.timeout = std::chrono::seconds(30);
-      world.monitor_store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
-      port = static_cast<c10d::TCPStore*>(world.monitor_store.get())->getPort();
-      std::memcpy(rank0_host, my_host, sizeof(rank0_host));
+      so.masterListenFd = fd;
+      world.monitor_store = c10::make_intrusive<c10d::TCPStore>(addr, so);
+      std::snprintf(rank0_addr, sizeof(rank0_addr), "%s", addr.c_str());
     }
     check_mpi(MPI_Bcast(&port, 1, MPI_INT, 0, comm), "MPI_Bcast");
-    check_mpi(MPI_Bcast(rank0_host, sizeof(rank0_host), MPI_CHAR, 0, comm), "MPI_Bcast");
-    host = std::strcmp(rank0_host, my_host) == 0 ? "127.0.0.1" : std::string(rank0_host);
+    check_mpi(MPI_Bcast(rank0_addr, sizeof(rank0_addr), MPI_CHAR, 0, comm), "MPI_Bcast");
+    host = rank0_addr;
   });
   if (world.size > 1 && world.rank != 0) {
     c10d::TCPStoreOptions co;

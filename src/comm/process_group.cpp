@@ -3,6 +3,7 @@
 #include "comm/gloo_transport.h"
 #include "comm/mpi_transport.h"
 #include "comm/process_group_impl.h"
+#include "comm/rendezvous.h"
 
 #include <c10/util/Exception.h>
 
@@ -157,12 +158,17 @@ ProcessGroupPtr init_process_group(const ProcessGroupOptions& options) {
     }
   } else if (size > 1) {
     detail::GlooWorldOptions go;
-    go.rank = rank;
-    go.size = size;
-    go.master_addr = !options.master_addr.empty() ? options.master_addr
-                     : env("MASTER_ADDR")         ? env("MASTER_ADDR")
-                                                  : "127.0.0.1";
-    go.master_port = options.master_port > 0 ? options.master_port : env_int("MASTER_PORT", 0);
+    go.rendezvous.rank = rank;
+    go.rendezvous.size = size;
+    go.rendezvous.master_addr = !options.master_addr.empty() ? options.master_addr
+                                : env("MASTER_ADDR")         ? env("MASTER_ADDR")
+                                                             : "127.0.0.1";
+    go.rendezvous.master_port =
+        options.master_port > 0 ? options.master_port : env_int("MASTER_PORT", 0);
+    go.rendezvous.job_id = detail::job_id_from_env();
+    // Rendezvous can wait for slow-starting ranks longer than one collective may take.
+    go.rendezvous.timeout = detail::rendezvous_timeout_from_env(
+        std::max<std::chrono::milliseconds>(timeout, std::chrono::minutes(1)));
     go.timeout = timeout;
     auto world = detail::make_gloo_world(go);
     transport = std::move(world.transport);

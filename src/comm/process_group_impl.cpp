@@ -4,6 +4,7 @@
 
 #include "comm/debug.h"
 #include "comm/local_groups.h"
+#include "comm/rendezvous.h"
 
 #include <c10/util/Exception.h>
 
@@ -67,6 +68,15 @@ std::string error_text(const std::exception_ptr& e) {
   } catch (...) {
     return "unknown exception";
   }
+}
+
+// A collective's backend error, with the host and ranks behind a lost connection when the
+// roster knows them. See Note [Naming a lost peer] in rendezvous.cpp.
+std::string failure_text(const std::exception_ptr& e) {
+  std::string text = error_text(e);
+  std::string peer = describe_peer_in(text);
+  if (!peer.empty()) text += " (" + peer + ": that host was lost or its ranks died)";
+  return text;
 }
 
 std::string seconds_text(std::chrono::milliseconds ms) {
@@ -443,7 +453,7 @@ void GroupImpl::run_record(const std::shared_ptr<OpRecord>& record, const Finger
       timeout_message(record);
     } else if (error) {
       poison(record->what + " failed on rank " + std::to_string(config_.world_ranks[config_.rank]) +
-             ": " + error_text(error));
+             ": " + failure_text(error));
     }
   }
   {
@@ -523,7 +533,7 @@ void GroupImpl::wait_record(const std::shared_ptr<OpRecord>& record) {
   // A backend error near the deadline is Gloo's own timeout firing: report it as ours.
   if (elapsed >= timeout * 9 / 10) TORCH_CHECK(false, timeout_message(record));
   TORCH_CHECK(false, record->what, " failed on rank ", config_.world_ranks[config_.rank], ": ",
-              error_text(record->error));
+              failure_text(record->error));
 }
 
 // --- the collectives ------------------------------------------------------------------------

@@ -55,12 +55,35 @@ bool is_space(unsigned char c) {
          (c >= 0x1c && c <= 0x1f);
 }
 
+// Longest line a text split may have. WikiText holds one paragraph per line (the longest in
+// WikiText-2 is under 4 KiB); a longer "line" means a wrong or binary file, refused with its
+// size rather than read as one giant word.
+constexpr size_t kMaxLineBytes = size_t{1} << 20;
+
 std::string read_file(const std::filesystem::path& path) {
   std::ifstream in(path, std::ios::binary);
   TORCH_CHECK(in, "[WikiText2] cannot open ", path.string());
   std::ostringstream ss;
   ss << in.rdbuf();
   return ss.str();
+}
+
+// A split must be plain text: no NUL byte, no line over kMaxLineBytes.
+void check_text(const std::filesystem::path& path, const std::string& text) {
+  const size_t nul = text.find('\0');
+  TORCH_CHECK(nul == std::string::npos, "[WikiText2] ", path.string(),
+              " is not a text file (a NUL byte at offset ", nul,
+              "); pass a directory of plain-text train.txt/valid.txt/test.txt");
+  size_t start = 0, line = 1;
+  while (start < text.size()) {
+    size_t end = text.find_first_of("\r\n", start);
+    if (end == std::string::npos) end = text.size();
+    TORCH_CHECK(end - start <= kMaxLineBytes, "[WikiText2] line ", line, " of ", path.string(),
+                " is ", end - start, " bytes long (the limit is ", kMaxLineBytes,
+                "): text splits hold one paragraph per line; is this the right file?");
+    start = end + (text.compare(end, 2, "\r\n") == 0 ? 2 : 1);
+    ++line;
+  }
 }
 
 // Calls on_word(word) for every word of every line and "<eos>" at every line end, as
@@ -120,6 +143,9 @@ WikiText2::WikiText2(const std::string& dir, const std::string& split, int64_t b
   for (const auto& s : present) {
     const bool keep = s == split;
     const std::string text = read_file(fs::path(dir) / (s + ".txt"));
+    TORCH_CHECK(!keep || text.find_first_not_of(" \t\r\n") != std::string::npos, "[WikiText2] ",
+                (fs::path(dir) / (s + ".txt")).string(), " is empty: no text to train on");
+    check_text(fs::path(dir) / (s + ".txt"), text);
     for_each_token(text, [&](const std::string& word) {
       auto [it, inserted] = ids_.emplace(word, static_cast<int64_t>(words_.size()));
       if (inserted) words_.push_back(word);

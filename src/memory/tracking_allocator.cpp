@@ -10,7 +10,8 @@
 // Counters are atomics (allocations happen on intra-op and autograd threads). The budget is
 // checked by reserving first (fetch_add) and undoing on refusal, so concurrent allocations
 // cannot overshoot it together. Storages allocated before installation keep the default
-// allocator's deleter and are not counted (neither their allocation nor their free).
+// allocator's deleter and are not counted (neither their allocation nor their free). Large
+// blocks come from and go back to a cache of freed blocks (Note [Block cache]).
 #include <ATen/ATen.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>
@@ -23,6 +24,7 @@
 #include <sstream>
 
 #include "fsdp/memory.h"
+#include "memory/block_cache.h"
 
 namespace fsdp {
 
@@ -49,7 +51,7 @@ void tracking_delete(void* data) {
   int64_t size = *reinterpret_cast<int64_t*>(base);
   g_current.fetch_sub(size, std::memory_order_relaxed);
   g_frees.fetch_add(1, std::memory_order_relaxed);
-  c10::free_cpu(base);
+  detail::block_free(base, static_cast<size_t>(size) + kHeader);
 }
 
 [[noreturn]] void throw_budget_error(int64_t requested, int64_t in_use, int64_t budget) {
@@ -76,7 +78,7 @@ class TrackingAllocator final : public at::Allocator {
     }
     void* base = nullptr;
     try {
-      base = c10::alloc_cpu(nbytes + kHeader);
+      base = detail::block_alloc(nbytes + kHeader);  // Note [Block cache]
     } catch (...) {
       g_current.fetch_sub(n, std::memory_order_relaxed);
       throw;

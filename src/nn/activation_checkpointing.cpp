@@ -52,23 +52,23 @@ class RngStateSwap {
   at::Tensor current_;
 };
 
-// CPU autocast (bf16-mixed outside FSDP) as it was when the block ran forward, for the recompute:
+// CPU autocast (bf16-/16-mixed outside FSDP) as it was when the block ran forward, for the recompute:
 // backward runs outside the autocast scope, and a recompute in fp32 would not reproduce the bf16
 // forward. Nesting is counted like an autocast scope so cached weight casts are dropped after.
 class AutocastSwap {
  public:
   AutocastSwap(bool enabled, at::ScalarType dtype)
       : enabled_(enabled),
-        prev_enabled_(at::autocast::is_cpu_enabled()),
-        prev_dtype_(at::autocast::get_autocast_cpu_dtype()) {
-    at::autocast::set_cpu_enabled(enabled);
-    at::autocast::set_autocast_cpu_dtype(dtype);
+        prev_enabled_(at::autocast::is_autocast_enabled(at::kCPU)),
+        prev_dtype_(at::autocast::get_autocast_dtype(at::kCPU)) {
+    at::autocast::set_autocast_enabled(at::kCPU, enabled);
+    at::autocast::set_autocast_dtype(at::kCPU, dtype);
     if (enabled_) at::autocast::increment_nesting();
   }
   ~AutocastSwap() {
     if (enabled_ && at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
-    at::autocast::set_cpu_enabled(prev_enabled_);
-    at::autocast::set_autocast_cpu_dtype(prev_dtype_);
+    at::autocast::set_autocast_enabled(at::kCPU, prev_enabled_);
+    at::autocast::set_autocast_dtype(at::kCPU, prev_dtype_);
   }
   AutocastSwap(const AutocastSwap&) = delete;
   AutocastSwap& operator=(const AutocastSwap&) = delete;
@@ -121,9 +121,9 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     }
     ctx->saved_data["module"] = std::move(module_ref);
     ctx->saved_data["rng_state"] = get_cpu_rng_state();
-    ctx->saved_data["autocast"] = at::autocast::is_cpu_enabled();
+    ctx->saved_data["autocast"] = at::autocast::is_autocast_enabled(at::kCPU);
     ctx->saved_data["autocast_dtype"] =
-        static_cast<int64_t>(at::autocast::get_autocast_cpu_dtype());
+        static_cast<int64_t>(at::autocast::get_autocast_dtype(at::kCPU));
     ctx->saved_data["slots"] = slots;
     ctx->saved_data["n"] = n;
     ctx->save_for_backward(to_save);

@@ -3,13 +3,72 @@
 #include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <cstdlib>
+#include <string>
+
+#include "comm/local_groups.h"
+
 namespace fsdp::detail {
 
+// Note [Benchmark collectives]
+// ----------------------------
+// `fsdp-bench overlap` measures how much of a step's all-gather and reduce-scatter time is
+// hidden behind compute by running the same step three ways (environment variable
+// FSDP_BENCH_COLLECTIVES, read once per process; for benchmarks only, the values it trains to
+// are wrong in "local"):
+//   unset    the real asynchronous collectives;
+//   "local"  no communication: each collective writes its output from this rank's own input
+//            (the all-gather output gets W copies of the input, the reduce-scatter output this
+//            rank's slice of the input), so the step moves the same bytes through memory and
+//            its values stay finite, but no rank waits for another;
+//   "serial" the real collectives, each waited for as soon as it is issued (nothing overlaps).
+// hidden fraction = 1 - (t_real - t_local) / (t_serial - t_local).
+namespace {
+
+enum class BenchCollectives { kReal, kLocal, kSerial };
+
+BenchCollectives bench_collectives() {
+  static const BenchCollectives mode = [] {
+    const char* v = std::getenv("FSDP_BENCH_COLLECTIVES");
+    const std::string s = v ? v : "";
+    if (s.empty()) return BenchCollectives::kReal;
+    if (s == "local") return BenchCollectives::kLocal;
+    if (s == "serial") return BenchCollectives::kSerial;
+    TORCH_CHECK(false, "[FSDP] FSDP_BENCH_COLLECTIVES='", s,
+                "' is not a mode; valid: local, serial (unset for real collectives). See Note "
+                "[Benchmark collectives] in src/shard/collectives.cpp");
+    return BenchCollectives::kReal;  // not reached
+  }();
+  return mode;
+}
+
+}  // namespace
+
+namespace {
+int64_t aligned_bytes(int64_t n) { return (n + 15) / 16 * 16; }
+}  // namespace
+
+// Note [Units of mixed dtypes]
+// ----------------------------
+// A unit may hold parameters of different dtypes when only one dtype is trainable: QLoRA's
+// layers hold frozen uint8 4-bit weights, frozen fp32 norms and trainable fp32 adapters (and
+// under mixed precision the adapters compute in bf16 while the uint8 weights are never cast).
+// Then the all-gather moves bytes: parameter i's shard occupies aligned_bytes(numel_i *
+// itemsize_i) bytes at byte offset o_i of a uint8 all-gather input (offsets 16-byte aligned, so
+// every slice can be viewed as its dtype), and copy-in/copy-out view those slices as the
+// parameter's compute dtype. Reduce-scatters involve trainable parameters only, which must share
+// one dtype (FsdpParamGroup::init checks). A unit of one dtype all-gathers in that dtype.
 FlatLayout flat_layout(const FsdpParams& params) {
   FlatLayout layout;
   for (const auto& p : params) {
+    layout.bytes |= p->compute_dtype() != params.front()->compute_dtype();
+  }
+  for (const auto& p : params) {
     layout.all_gather_offsets.push_back(layout.all_gather_numel);
-    layout.all_gather_numel += p->shard_numel();
+    layout.all_gather_numel +=
+        layout.bytes ? aligned_bytes(p->shard_numel() * p->compute_element_size())
+                     : p->shard_numel();
     if (p->requires_grad()) {
       layout.reduce_scatter_offsets.push_back(layout.reduce_scatter_numel);
       layout.reduce_scatter_numel += p->shard_numel();
@@ -18,6 +77,15 @@ FlatLayout flat_layout(const FsdpParams& params) {
     }
   }
   return layout;
+}
+
+at::Tensor all_gather_slice(const at::Tensor& buffer, const FlatLayout& layout,
+                            const FsdpParam& param, size_t i) {
+  if (!layout.bytes) return buffer.narrow(-1, layout.all_gather_offsets[i], param.shard_numel());
+  // See Note [Units of mixed dtypes].
+  return buffer
+      .narrow(-1, layout.all_gather_offsets[i], param.shard_numel() * param.compute_element_size())
+      .view(param.compute_dtype());
 }
 
 // Note [Unit all-gather]
@@ -33,18 +101,33 @@ FlatLayout flat_layout(const FsdpParams& params) {
 AllGather all_gather(const FsdpParams& params, const FlatLayout& layout, ProcessGroup& group,
                      at::ScalarType dtype) {
   RECORD_FUNCTION("FSDP::all_gather", c10::ArrayRef<const c10::IValue>{});
-  const auto options = params.front()->sharded().options().dtype(dtype).requires_grad(false);
+  const auto options = params.front()->sharded().options()
+                           .dtype(layout.bytes ? at::kByte : dtype)
+                           .requires_grad(false);
   at::NoGradGuard no_grad;
   AllGather ag;
   ag.input = at::empty({layout.all_gather_numel}, options);
   for (size_t i = 0; i < params.size(); ++i) {
     const FsdpParam& p = *params[i];
     // Copy-in: S flattened, cast to the all-gather dtype.
-    ag.input.narrow(0, layout.all_gather_offsets[i], p.shard_numel())
-        .copy_(p.sharded().detach().reshape({-1}));
+    all_gather_slice(ag.input, layout, p, i).copy_(p.sharded().detach().reshape({-1}));
   }
   ag.output = at::empty({group.size() * layout.all_gather_numel}, options);
-  ag.work = group.all_gather_into_tensor_async(ag.output, ag.input);
+  switch (bench_collectives()) {  // See Note [Benchmark collectives]
+    case BenchCollectives::kLocal:
+      for (int w = 0; w < group.size(); ++w) {
+        ag.output.narrow(0, w * layout.all_gather_numel, layout.all_gather_numel).copy_(ag.input);
+      }
+      ag.work = done_work();
+      break;
+    case BenchCollectives::kSerial:
+      ag.work = group.all_gather_into_tensor_async(ag.output, ag.input);
+      ag.work->wait();
+      break;
+    case BenchCollectives::kReal:
+      ag.work = group.all_gather_into_tensor_async(ag.output, ag.input);
+      break;
+  }
   return ag;
 }
 
@@ -57,8 +140,7 @@ void all_gather_copy_out(AllGather& ag, const FsdpParams& params, const FlatLayo
   at::Tensor rank_major = ag.output.view({world, layout.all_gather_numel});
   for (size_t i = 0; i < params.size(); ++i) {
     params[i]->alloc_unsharded();
-    copy_out(*params[i],
-             rank_major.narrow(1, layout.all_gather_offsets[i], params[i]->shard_numel()));
+    copy_out(*params[i], all_gather_slice(rank_major, layout, *params[i], i));
   }
   ag = AllGather{};
 }
@@ -87,7 +169,13 @@ std::optional<ReduceScatter> reduce_scatter(const FsdpParams& params, const Flat
   const auto options = params.front()->sharded().options().dtype(dtype).requires_grad(false);
   const int64_t total = layout.reduce_scatter_numel;
   ReduceScatter rs;
-  if (params.front()->aliased()) {
+  // Trainable parameters share one dtype, so they are all aliased or none is; frozen ones (a
+  // uint8 quantized weight is never cast) may differ. See Note [Units of mixed dtypes].
+  const FsdpParam* trainable = nullptr;
+  for (const auto& p : params) {
+    if (p->requires_grad() && trainable == nullptr) trainable = p.get();
+  }
+  if (trainable->aliased()) {
     // P.grad is S.grad: nothing to scatter; average over the replicate group if there is one.
     if (!replicate_group || replicate_group->size() == 1) return std::nullopt;
     rs.output = at::zeros({total}, options);
@@ -102,12 +190,20 @@ std::optional<ReduceScatter> reduce_scatter(const FsdpParams& params, const Flat
     return rs;
   }
   const int w = shard_group.size();
-  rs.input = at::zeros({w * total}, options);
+  // Not pre-zeroed: copy_grad_in writes every element of a parameter's slice (padding rows as
+  // zeros), and a parameter without a gradient this step gets a zero slice here. Zeroing the
+  // whole buffer first was one more pass over the unit's unsharded gradient bytes.
+  rs.input = at::empty({w * total}, options);
   at::Tensor rank_major = rs.input.view({w, total});
   for (size_t i = 0; i < params.size(); ++i) {
     const FsdpParam& p = *params[i];
-    if (layout.reduce_scatter_offsets[i] < 0 || !p.unsharded().grad().defined()) continue;
-    copy_grad_in(p, rank_major.narrow(1, layout.reduce_scatter_offsets[i], p.shard_numel()));
+    if (layout.reduce_scatter_offsets[i] < 0) continue;
+    at::Tensor slice = rank_major.narrow(1, layout.reduce_scatter_offsets[i], p.shard_numel());
+    if (p.unsharded().grad().defined()) {
+      copy_grad_in(p, slice);
+    } else {
+      slice.zero_();
+    }
   }
   for (const auto& p : params) {  // copied in: the unsharded gradients are not needed any more
     if (!p->aliased() && p->unsharded().grad().defined()) {
@@ -115,7 +211,19 @@ std::optional<ReduceScatter> reduce_scatter(const FsdpParams& params, const Flat
     }
   }
   rs.output = at::empty({total}, options);
-  rs.work = shard_group.reduce_scatter_tensor_async(rs.output, rs.input, ReduceOp::kAvg);
+  switch (bench_collectives()) {  // See Note [Benchmark collectives]
+    case BenchCollectives::kLocal:
+      rs.output.copy_(rank_major.select(0, shard_group.rank()));
+      rs.work = done_work();
+      break;
+    case BenchCollectives::kSerial:
+      rs.work = shard_group.reduce_scatter_tensor_async(rs.output, rs.input, ReduceOp::kAvg);
+      rs.work->wait();
+      break;
+    case BenchCollectives::kReal:
+      rs.work = shard_group.reduce_scatter_tensor_async(rs.output, rs.input, ReduceOp::kAvg);
+      break;
+  }
   return rs;
 }
 
@@ -171,8 +279,10 @@ void copy_grad_in(const FsdpParam& param, const at::Tensor& rank_major) {
       rank_major.view({param.shard_world(), param.shard_rows(), param.row_numel()});
   for (int w = 0; w < param.shard_world(); ++w) {
     const RowRange rows = param.rows_of(w);
-    if (rows.size() <= 0) break;
-    blocks.select(0, w).narrow(0, 0, rows.size()).copy_(source.narrow(0, rows.begin, rows.size()));
+    const int64_t real = std::max<int64_t>(rows.size(), 0);
+    at::Tensor block = blocks.select(0, w);
+    if (real > 0) block.narrow(0, 0, real).copy_(source.narrow(0, rows.begin, real));
+    if (real < param.shard_rows()) block.narrow(0, real, param.shard_rows() - real).zero_();
   }
 }
 

@@ -22,10 +22,18 @@ struct FlatLayout {
   std::vector<int64_t> all_gather_offsets;      // per parameter, into the all-gather input
   std::vector<int64_t> reduce_scatter_offsets;  // per parameter, into the reduce-scatter output
                                                 // (-1: frozen, not reduced)
-  int64_t all_gather_numel = 0;                 // sum of shard numels
+  int64_t all_gather_numel = 0;                 // sum of shard numels (bytes when `bytes`)
   int64_t reduce_scatter_numel = 0;             // sum of trainable shard numels
+  // Parameters of different compute dtypes (a quantized base): the all-gather moves bytes.
+  // See Note [Units of mixed dtypes] in collectives.cpp.
+  bool bytes = false;
 };
 FlatLayout flat_layout(const FsdpParams& params);
+
+// Parameter i's slice of an all-gather buffer (the flat input, or the (W, all_gather_numel)
+// rank-major output), viewed in its compute dtype.
+at::Tensor all_gather_slice(const at::Tensor& buffer, const FlatLayout& layout,
+                            const FsdpParam& param, size_t i);
 
 // An all-gather in flight.
 struct AllGather {
@@ -33,7 +41,8 @@ struct AllGather {
   at::Tensor input;   // (all_gather_numel)
   at::Tensor output;  // (W * all_gather_numel)
 };
-// Copy-in (every S, cast to `dtype`, into one flat input) and the asynchronous all-gather.
+// Copy-in (every S, cast to `dtype`, into one flat input; to each parameter's own compute
+// dtype in a byte layout) and the asynchronous all-gather.
 AllGather all_gather(const FsdpParams& params, const FlatLayout& layout, ProcessGroup& group,
                      at::ScalarType dtype);
 // Waits for `ag`, allocates every P and copies its full value out of the output.
@@ -61,8 +70,8 @@ void reduce_scatter_copy_out(ReduceScatter& rs, const FsdpParams& params,
 
 // `rank_major`: (W, shard_numel) slice of an all-gather output -> P's full value.
 void copy_out(const FsdpParam& param, const at::Tensor& rank_major);
-// P.grad -> `rank_major`: (W, shard_numel) slice of a pre-zeroed reduce-scatter input (padding
-// rows stay 0).
+// P.grad -> `rank_major`: (W, shard_numel) slice of a reduce-scatter input; every element is
+// written (padding rows past dim0 as zeros).
 void copy_grad_in(const FsdpParam& param, const at::Tensor& rank_major);
 // A new tensor with the full value of `param`, all-gathered from its shards over `group` (its
 // shard group; every rank of it calls this, in the same order).

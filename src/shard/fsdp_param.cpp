@@ -32,10 +32,11 @@ FsdpParam::FsdpParam(at::Tensor unsharded, Registration first, int shard_rank, i
       compute_dtype_(unsharded_.scalar_type()) {
   if (compute_dtype && unsharded_.is_floating_point()) compute_dtype_ = *compute_dtype;
   registrations_.push_back(std::move(first));
-  TORCH_CHECK(!(compute_dtype_ == at::kHalf && unsharded_.device().is_cpu()),
-              "[FSDPStrategy] MixedPrecisionPolicy.param_dtype=Half for CPU parameter '", fqn(),
-              "': CPU libtorch 1.13 has no fp16 matmul; use at::kBFloat16 (precision "
-              "'bf16-mixed') instead.");
+  if (compute_dtype_ != sharded_dtype_ && unsharded_.device().is_cpu()) {
+    check_cpu_matmul_supported(compute_dtype_, "[FSDPStrategy] MixedPrecisionPolicy.param_dtype=" +
+                                                   std::string(c10::toString(compute_dtype_)) +
+                                                   " for CPU parameter '" + fqn() + "'");
+  }
   TORCH_CHECK(unsharded_.is_contiguous() && unsharded_.storage_offset() == 0 &&
                   static_cast<int64_t>(unsharded_.storage().nbytes()) == unsharded_.nbytes(),
               "[FSDPStrategy] parameter '", fqn(), "' (shape ", unsharded_.sizes(),

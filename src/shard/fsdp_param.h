@@ -107,6 +107,7 @@ class FsdpParam {
   RowRange rows_of(int rank) const { return shard_row_range(dim0_, shard_rows_, rank); }
   int64_t shard_numel() const { return shard_rows_ * row_numel_; }
   int64_t padded_numel() const { return shard_numel() * shard_world_; }
+  int64_t compute_element_size() const { return static_cast<int64_t>(c10::elementSize(compute_dtype_)); }
   int64_t full_nbytes() const {  // P's bytes when allocated (compute dtype)
     return unsharded_.numel() * static_cast<int64_t>(c10::elementSize(compute_dtype_));
   }

@@ -46,22 +46,41 @@ FsdpParam& FsdpParamGroup::add_param(at::Tensor unsharded, FsdpParam::Registrati
 }
 
 void FsdpParamGroup::init() {
+  // Trainable parameters share one dtype; frozen ones (a quantized base's uint8 weights) may
+  // have any. See Note [Units of mixed dtypes] in collectives.cpp.
+  const FsdpParam* first_trainable = nullptr;
   for (auto& p : params_) {
-    TORCH_CHECK(p->sharded_dtype() == params_.front()->sharded_dtype(),
-                "[FSDPStrategy] unit '", name_, "' mixes dtypes: '", p->fqn(), "' is ",
-                p->sharded_dtype(), " but '", params_.front()->fqn(), "' is ",
-                params_.front()->sharded_dtype(),
-                ". HINT: wrap parameters of different dtypes in separate units.");
+    if (p->requires_grad()) {
+      if (first_trainable == nullptr) first_trainable = p.get();
+      TORCH_CHECK(p->sharded_dtype() == first_trainable->sharded_dtype(),
+                  "[FSDPStrategy] unit '", name_, "' mixes trainable dtypes: '", p->fqn(),
+                  "' is ", p->sharded_dtype(), " but '", first_trainable->fqn(), "' is ",
+                  first_trainable->sharded_dtype(),
+                  ". HINT: wrap trainable parameters of different dtypes in separate units "
+                  "(frozen parameters may have any dtype).");
+    }
     p->shard();
   }
   layout_ = flat_layout(params_);
-  // See Note [Mixed-precision parameters] in fsdp_param.h.
-  aliased_ = !params_.empty() && params_.front()->aliased();
+  // See Note [Mixed-precision parameters] in fsdp_param.h: nothing to gather only when S is P
+  // for every parameter.
+  aliased_ = !params_.empty();
+  for (auto& p : params_) aliased_ = aliased_ && p->aliased();
   const auto& mp = config_.mixed_precision;
   if (!params_.empty()) {
+    // The unit's compute dtype is its first floating parameter's; reductions use the trainable
+    // parameters' dtype.
     compute_dtype_ = params_.front()->compute_dtype();
-    reduce_dtype_ = mp ? mp->reduce_dtype_or(compute_dtype_) : compute_dtype_;
-    if (!at::isFloatingType(compute_dtype_)) reduce_dtype_ = compute_dtype_;
+    for (auto& p : params_) {
+      if (at::isFloatingType(p->compute_dtype())) {
+        compute_dtype_ = p->compute_dtype();
+        break;
+      }
+    }
+    const at::ScalarType grad_dtype =
+        first_trainable ? first_trainable->compute_dtype() : compute_dtype_;
+    reduce_dtype_ = mp ? mp->reduce_dtype_or(grad_dtype) : grad_dtype;
+    if (!at::isFloatingType(grad_dtype)) reduce_dtype_ = grad_dtype;
   }
   sharded_state_ = ShardedState::kSharded;
   training_state_ = TrainingState::kIdle;

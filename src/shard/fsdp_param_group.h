@@ -106,6 +106,8 @@ class FsdpParamGroup {
   void finalize_backward(bool sync);
 
   int64_t unsharded_bytes() const;
+  // Where the parameters sit in the flat buffers (valid after init).
+  const FlatLayout& layout() const { return layout_; }
   at::ScalarType compute_dtype() const { return compute_dtype_; }
   at::ScalarType reduce_dtype() const { return reduce_dtype_; }
   const ProcessGroupPtr& shard_group() const { return config_.shard_group; }

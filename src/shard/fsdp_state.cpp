@@ -133,6 +133,7 @@ void FsdpState::build(torch::nn::Module& root, const std::vector<UnitSpec>& spec
           const std::string& name = item.key();
           const at::Tensor& tensor = item.value();
           if (!tensor.defined()) continue;
+          if (config_.ignored.count(tensor.unsafeGetTensorImpl())) continue;  // FSDPOptions::ignored_params
           if (!registered.insert({&m, name}).second) continue;
           FsdpParam::Registration reg{&m, name, prefix + name};
           auto found = seen.find(tensor.unsafeGetTensorImpl());

@@ -27,6 +27,8 @@ struct FsdpConfig {
   bool limit_all_gathers = false;
   // See Note [Mixed-precision parameters] in fsdp_param.h.
   std::optional<MixedPrecisionPolicy> mixed_precision;
+  // FSDPOptions::ignored_params: never assigned to a unit.
+  std::set<const c10::TensorImpl*> ignored;
 };
 
 // A unit to build: the module (null for the root) and its FQN.

@@ -54,10 +54,11 @@ bool FSDPStrategy::has_manual_wraps() const { return !impl_->manual_units.empty(
 int FSDPStrategy::num_deferred_units() const { return impl_->num_deferred_units; }
 
 bool FSDPStrategy::connect_precision(Precision precision) {
-  if (precision != Precision::kBf16Mixed) return false;
+  const std::optional<MixedPrecisionPolicy> policy = mixed_precision_policy(precision);
+  if (!policy) return false;
   TORCH_CHECK(!impl_->state, "[FSDPStrategy] mixed precision must be chosen before setup_module");
   if (!options_.mixed_precision) {  // an explicit policy wins over the Trainer's precision
-    options_.mixed_precision = bf16_mixed_policy();
+    options_.mixed_precision = *policy;
     detail::check_options(options_);
   }
   return true;
@@ -201,17 +202,7 @@ double FSDPStrategy::clip_grad_norm(LightningModule&, double max_norm) {
   for (auto* p : state.all_params()) {
     if (p->sharded().grad().defined()) grads.push_back(p->sharded().grad());
   }
-  at::NoGradGuard no_grad;
-  at::Tensor total = at::zeros({1}, at::kDouble);
-  for (auto& g : grads) total += g.detach().to(at::kDouble).pow(2).sum();
-  const auto& group = state.shard_group();
-  if (group->size() > 1) group->all_reduce(total, ReduceOp::kSum);
-  const double norm = std::sqrt(total.item<double>());
-  const double coef = max_norm / (norm + 1e-6);
-  if (coef < 1.0) {
-    for (auto& g : grads) g.mul_(coef);
-  }
-  return norm;
+  return clip_grad_norm_of_parts(grads, *state.shard_group(), max_norm);
 }
 
 void FSDPStrategy::zero_grad(torch::optim::Optimizer& optimizer) {

@@ -132,6 +132,7 @@ FsdpConfig make_fsdp_config(const FSDPOptions& options) {
   config.backward_prefetch = options.backward_prefetch;
   config.limit_all_gathers = options.limit_all_gathers;
   config.mixed_precision = options.mixed_precision;
+  for (const auto& t : options.ignored_params) config.ignored.insert(t.unsafeGetTensorImpl());
   return config;
 }
 
@@ -165,6 +166,10 @@ void check_options(const FSDPOptions& o) {
     check("buffer_dtype", o.mixed_precision->buffer_dtype);
   }
   TORCH_CHECK(!o.cpu_offload, "[FSDPStrategy] cpu_offload=true is not supported yet");
+  TORCH_CHECK(o.ignored_params.empty() || !o.deferred_init,
+              "[FSDPStrategy] ignored_params needs deferred_init = false: deferred "
+              "initialization shards units while configure_model builds them, before the "
+              "ignored parameters exist. HINT: set FSDPOptions::deferred_init = false");
   TORCH_CHECK(o.state_dict_type == "full", "[FSDPStrategy] state_dict_type='", o.state_dict_type,
               "' is not supported yet; only 'full' is accepted for now");
   TORCH_CHECK(o.hybrid_shard_size >= 0, "[FSDPStrategy] hybrid_shard_size must be >= 0 (0 = "

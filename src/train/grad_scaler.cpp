@@ -2,6 +2,7 @@
 #include "fsdp/precision.h"
 
 #include <c10/util/Exception.h>
+#include <nlohmann/json.hpp>
 
 #include <cmath>
 
@@ -44,12 +45,17 @@ void ShardedGradScaler::unscale(torch::optim::Optimizer& optimizer) {
 }
 
 bool ShardedGradScaler::step(torch::optim::Optimizer& optimizer) {
+  return step(optimizer, [&] { optimizer.step(); });
+}
+
+bool ShardedGradScaler::step(torch::optim::Optimizer& optimizer,
+                             const std::function<void()>& step_fn) {
   if (!unscaled_) unscale(optimizer);
   if (found_inf_) {
     ++skipped_steps_;
     return false;
   }
-  optimizer.step();
+  step_fn();
   return true;
 }
 
@@ -63,6 +69,29 @@ void ShardedGradScaler::update() {
     if (std::isfinite(grown)) scale_ = grown;
     growth_tracker_ = 0;
   }
+  unscaled_ = false;
+  found_inf_ = false;
+}
+
+std::string ShardedGradScaler::state_dict() const {
+  return nlohmann::json{{"scale", scale_},
+                        {"growth_tracker", growth_tracker_},
+                        {"skipped_steps", skipped_steps_}}
+      .dump();
+}
+
+void ShardedGradScaler::load_state_dict(const std::string& state) {
+  const nlohmann::json j = nlohmann::json::parse(state, nullptr, /*allow_exceptions=*/false);
+  TORCH_CHECK(j.is_object() && j.contains("scale") && j["scale"].is_number() &&
+                  j.contains("growth_tracker") && j["growth_tracker"].is_number_integer(),
+              "[ShardedGradScaler] load_state_dict needs a JSON object with a numeric 'scale' "
+              "and an integer 'growth_tracker' (as state_dict() writes), got: ", state);
+  const double scale = j["scale"].get<double>();
+  TORCH_CHECK(scale > 0 && std::isfinite(scale), "[ShardedGradScaler] load_state_dict: scale ",
+              "must be a positive finite number, got ", scale);
+  scale_ = scale;
+  growth_tracker_ = j["growth_tracker"].get<int64_t>();
+  skipped_steps_ = j.value("skipped_steps", int64_t{0});
   unscaled_ = false;
   found_inf_ = false;
 }

@@ -2,9 +2,15 @@
 #include "fsdp/precision.h"
 
 #include <ATen/autocast_mode.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/DefaultDtype.h>
 #include <c10/util/Exception.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/version.h>
 
+#include <map>
+#include <mutex>
 #include <sstream>
 
 namespace fsdp {
@@ -57,43 +63,137 @@ const char* to_string(Precision precision) {
   return "?";
 }
 
-void check_precision_supported(Precision precision) {
-  if (precision != Precision::k16Mixed && precision != Precision::k16True) return;
-  TORCH_CHECK(false, "[precision] '", to_string(precision),
-              "' needs fp16 matmul, which CPU libtorch 1.13 does not implement "
-              "(addmm_impl_cpu_ not implemented for 'Half'); use precision 'bf16-mixed' "
-              "(--precision bf16-mixed) instead.");
+void check_cpu_matmul_supported(at::ScalarType dtype, const std::string& who) {
+  // Probed once per dtype: "" when a 2x2 matmul works, else libtorch's message (libtorch 1.13:
+  // "addmm_impl_cpu_ not implemented for 'Half'"; 2.x implements fp16 matmul on CPU).
+  static std::mutex mutex;
+  static std::map<at::ScalarType, std::string> probed;
+  std::string error;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    auto it = probed.find(dtype);
+    if (it == probed.end()) {
+      try {
+        at::mm(at::ones({2, 2}, dtype), at::ones({2, 2}, dtype));
+      } catch (const c10::Error& e) {
+        error = e.what_without_backtrace();
+        error = error.substr(0, error.find('\n'));
+      }
+      it = probed.emplace(dtype, error).first;
+    }
+    error = it->second;
+  }
+  TORCH_CHECK(error.empty(), who, " needs ", c10::toString(dtype), " matmul on CPU, which this "
+              "libtorch (", TORCH_VERSION_MAJOR, ".", TORCH_VERSION_MINOR, ".",
+              TORCH_VERSION_PATCH, ") does not implement (", error, "); use precision "
+              "'bf16-mixed' (--precision bf16-mixed) instead, or build against libtorch 2.13.");
 }
 
-MixedPrecisionPolicy bf16_mixed_policy() {
+namespace {
+
+// Whether libtorch's oneDNN has fp16 kernels on this CPU (the op behind Python's
+// torch.ops.mkldnn._is_mkldnn_fp16_supported); true when the op is absent (no claim then).
+bool onednn_fp16_supported() {
+  static const bool supported = [] {
+    auto op = c10::Dispatcher::singleton().findSchema({"mkldnn::_is_mkldnn_fp16_supported", ""});
+    return !op.has_value() || op->typed<bool()>().call();
+  }();
+  return supported;
+}
+
+}  // namespace
+
+std::optional<std::string> precision_performance_warning(Precision precision) {
+  if (precision != Precision::k16Mixed && precision != Precision::k16True) return std::nullopt;
+  if (onednn_fp16_supported()) return std::nullopt;
+  return std::string("[precision] '") + to_string(precision) +
+         "': this CPU has no oneDNN fp16 kernels (they need AVX512-FP16 or AMX-FP16), so fp16 "
+         "matmuls run in libtorch's fallback, 30-1000x slower than fp32 as measured on such a CPU "
+         "(README \"Precision\"); 'bf16-mixed' is the fast choice here.";
+}
+
+void check_precision_supported(Precision precision) {
+  if (precision != Precision::k16Mixed && precision != Precision::k16True) return;
+  check_cpu_matmul_supported(at::kHalf,
+                             std::string("[precision] '") + to_string(precision) + "'");
+}
+
+namespace {
+
+// All-gather, compute, reduce-scatter and buffers in `dtype` (Lightning's FSDPPrecision).
+MixedPrecisionPolicy uniform_policy(at::ScalarType dtype) {
   MixedPrecisionPolicy p;
-  p.param_dtype = at::kBFloat16;
-  p.reduce_dtype = at::kBFloat16;
-  p.buffer_dtype = at::kBFloat16;
+  p.param_dtype = dtype;
+  p.reduce_dtype = dtype;
+  p.buffer_dtype = dtype;
   return p;
 }
 
+}  // namespace
+
+MixedPrecisionPolicy bf16_mixed_policy() { return uniform_policy(at::kBFloat16); }
+
+MixedPrecisionPolicy fp16_mixed_policy() { return uniform_policy(at::kHalf); }
+
+std::optional<MixedPrecisionPolicy> mixed_precision_policy(Precision precision) {
+  if (precision == Precision::kBf16Mixed) return bf16_mixed_policy();
+  if (precision == Precision::k16Mixed) return fp16_mixed_policy();
+  return std::nullopt;
+}
+
+std::optional<at::ScalarType> autocast_dtype(Precision precision) {
+  if (precision == Precision::kBf16Mixed) return at::kBFloat16;
+  if (precision == Precision::k16Mixed) return at::kHalf;
+  return std::nullopt;
+}
+
+bool uses_grad_scaler(Precision precision) { return precision == Precision::k16Mixed; }
+
 std::optional<at::ScalarType> true_precision_dtype(Precision precision) {
   if (precision == Precision::kBf16True) return at::kBFloat16;
+  if (precision == Precision::k16True) return at::kHalf;
   if (precision == Precision::k64True) return at::kDouble;
   return std::nullopt;
 }
 
-CpuAutocastGuard::CpuAutocastGuard(bool enabled, at::ScalarType dtype) : enabled_(enabled) {
+void check_optimizer_precision(const torch::optim::Optimizer& optimizer, Precision precision) {
+  if (precision != Precision::k16True) return;
+  for (size_t i = 0; i < optimizer.param_groups().size(); ++i) {
+    const auto& group = optimizer.param_groups()[i];
+    double eps = 0;
+    if (const auto* o = dynamic_cast<const torch::optim::AdamOptions*>(&group.options())) {
+      eps = o->eps();
+    } else if (const auto* o = dynamic_cast<const torch::optim::AdamWOptions*>(&group.options())) {
+      eps = o->eps();
+    } else {
+      continue;
+    }
+    const double in_fp16 = at::scalar_tensor(eps, at::kHalf).item<double>();
+    TORCH_CHECK(in_fp16 != 0.0, "[precision] '16-true': Adam eps=", eps, " of parameter group ",
+                i, " rounds to 0 in fp16 (smallest fp16 value 6e-8), so the first exactly-zero "
+                "gradient (e.g. an embedding row not in the batch) becomes 0/0 = NaN; set eps to "
+                "1e-4 (AdamOptions(lr).eps(1e-4); fsdp-train --adam-eps 1e-4) or use "
+                "precision '16-mixed' (fp32 master weights).");
+  }
+}
+
+CpuAutocastGuard::CpuAutocastGuard(std::optional<at::ScalarType> dtype)
+    : enabled_(dtype.has_value()) {
   if (!enabled_) return;
-  prev_enabled_ = at::autocast::is_cpu_enabled();
-  prev_dtype_ = at::autocast::get_autocast_cpu_dtype();
-  at::autocast::set_cpu_enabled(true);
-  at::autocast::set_autocast_cpu_dtype(dtype);
+  prev_enabled_ = at::autocast::is_autocast_enabled(at::kCPU);
+  prev_dtype_ = at::autocast::get_autocast_dtype(at::kCPU);
+  at::autocast::set_autocast_enabled(at::kCPU, true);
+  at::autocast::set_autocast_dtype(at::kCPU, *dtype);
   at::autocast::increment_nesting();
 }
 
 CpuAutocastGuard::~CpuAutocastGuard() {
   if (!enabled_) return;
-  // Outermost guard: drop the cached bf16 copies of the fp32 weights (they change every step).
+  // Outermost guard: drop the cached low-precision copies of the fp32 weights (they change
+  // every step).
   if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
-  at::autocast::set_cpu_enabled(prev_enabled_);
-  at::autocast::set_autocast_cpu_dtype(prev_dtype_);
+  at::autocast::set_autocast_enabled(at::kCPU, prev_enabled_);
+  at::autocast::set_autocast_dtype(at::kCPU, prev_dtype_);
 }
 
 DefaultDtypeGuard::DefaultDtypeGuard(std::optional<at::ScalarType> dtype) {

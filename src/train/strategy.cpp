@@ -7,12 +7,27 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cmath>
 
 namespace fsdp {
 
 RowRange shard_row_range(int64_t dim0, int64_t shard_rows, int rank) {
   const int64_t begin = std::min<int64_t>(dim0, rank * shard_rows);
   return {begin, std::min<int64_t>(dim0, begin + shard_rows)};
+}
+
+double clip_grad_norm_of_parts(const std::vector<at::Tensor>& grads, ProcessGroup& group,
+                               double max_norm) {
+  at::NoGradGuard no_grad;
+  at::Tensor total = at::zeros({1}, at::kDouble);
+  for (const auto& g : grads) total += g.detach().to(at::kDouble).pow(2).sum();
+  if (group.size() > 1) group.all_reduce(total, ReduceOp::kSum);
+  const double norm = std::sqrt(total.item<double>());
+  const double coef = max_norm / (norm + 1e-6);  // torch.nn.utils.clip_grad_norm_'s
+  if (coef < 1.0) {
+    for (const auto& g : grads) g.mul_(coef);
+  }
+  return norm;
 }
 
 at::Tensor Strategy::reduce(const at::Tensor& value, ReduceOp op) {

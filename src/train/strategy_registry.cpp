@@ -4,6 +4,7 @@
 
 #include "common/text.h"
 #include "fsdp/ddp.h"
+#include "fsdp/deepspeed.h"
 #include "fsdp/fsdp_strategy.h"
 #include "fsdp/single_strategy.h"
 
@@ -41,6 +42,21 @@ const std::vector<RegistryEntry>& registry() {
        [] { return make_fsdp_strategy("fsdp_hybrid_shard"); }},
       {"fsdp_hybrid_shard_zero2", "FSDP: SHARD_GRAD_OP inside a node, replicate across",
        [] { return make_fsdp_strategy("fsdp_hybrid_shard_zero2"); }},
+      // DeepSpeed ZeRO, Lightning's names (make_deepspeed_strategy parses them).
+      {"deepspeed", "DeepSpeed ZeRO stage 2 (Lightning's default DeepSpeedStrategy)",
+       [] { return make_deepspeed_strategy("deepspeed"); }},
+      {"deepspeed_stage_1", "ZeRO 1: shard optimizer state",
+       [] { return make_deepspeed_strategy("deepspeed_stage_1"); }},
+      {"deepspeed_stage_2", "ZeRO 2: shard optimizer state and gradients",
+       [] { return make_deepspeed_strategy("deepspeed_stage_2"); }},
+      {"deepspeed_stage_2_offload", "ZeRO 2, optimizer state in host memory",
+       [] { return make_deepspeed_strategy("deepspeed_stage_2_offload"); }},
+      {"deepspeed_stage_3", "ZeRO 3: shard parameters, gradients and optimizer state",
+       [] { return make_deepspeed_strategy("deepspeed_stage_3"); }},
+      {"deepspeed_stage_3_offload", "ZeRO 3, parameters and optimizer state in host memory",
+       [] { return make_deepspeed_strategy("deepspeed_stage_3_offload"); }},
+      {"deepspeed_stage_3_offload_nvme", "ZeRO 3 with the disk tier (not implemented yet)",
+       [] { return make_deepspeed_strategy("deepspeed_stage_3_offload_nvme"); }},
   };
   return entries;
 }

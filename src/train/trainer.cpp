@@ -2,6 +2,7 @@
 // The strategy is driven exactly in the order of the comment at the top of fsdp/strategy.h.
 #include "fsdp/trainer.h"
 
+#include "comm/backend_choice.h"
 #include "common/text.h"
 #include "fsdp/comm.h"
 #include "fsdp/memory.h"
@@ -143,13 +144,32 @@ std::vector<std::string> Trainer::accelerator_names() { return kAccelerators; }
 Trainer::Trainer(TrainerOptions options) : options_(std::move(options)) {
   // Checked before launching, so a bad option fails once in the parent, not in every rank.
   check_options(options_);
-  const std::string backend = resolve_backend(options_.process_group_backend);
+  const std::string requested = resolve_backend(options_.process_group_backend);
+  // See Note [Backend auto] in comm/backend_choice.cpp.
+  const detail::BackendFacts facts =
+      detail::backend_facts(requested, options_.devices, options_.num_nodes);
+  const detail::BackendChoice choice = detail::choose_backend(facts);
+  const std::string& backend = choice.backend;
+  // Said once per job: by the process that launches (before spawning or re-running through
+  // mpirun), or by rank 0 of ranks someone else launched.
+  constexpr const char* kAnnounced = "FSDP_BACKEND_ANNOUNCED";
+  const char* announced = std::getenv(kAnnounced);
+  if (requested == "auto" && facts.world_size > 1 && (announced == nullptr || *announced == 0) &&
+      (facts.launcher == "none" || launch_info_from_env().rank == 0)) {
+    std::cerr << detail::describe(choice, requested) << std::endl;
+    ::setenv(kAnnounced, "1", 1);
+  }
 
   LaunchOptions lo;
   lo.devices = options_.devices;
   lo.num_nodes = options_.num_nodes;
   lo.backend = backend;
   launch_ = launch(lo);  // devices > 1: from here on this code runs in every rank
+  if (launch_.rank == 0) {
+    if (auto warning = precision_performance_warning(parse_precision(options_.precision))) {
+      std::cerr << *warning << std::endl;
+    }
+  }
   install_tracking_allocator();
   // No budget given: this rank's share of the memory available now (see memory.h).
   if (const char* env = std::getenv("FSDP_MEMORY_BUDGET"); (env == nullptr || *env == '\0') &&
@@ -174,6 +194,10 @@ Trainer::Trainer(TrainerOptions options) : options_(std::move(options)) {
     if (name == "auto") name = world_->size() > 1 ? "ddp" : "single";
     strategy_ = make_strategy(name);
   }
+  // A strategy's own configuration (a DeepSpeed JSON config) may fix precision, clipping,
+  // accumulation: applied, then checked like the user's options.
+  strategy_->configure_trainer(options_);
+  check_options(options_);
   strategy_->connect(world_, launch_);
 }
 
@@ -189,12 +213,12 @@ void Trainer::setup_model(LightningModule& module) {
   if (configured_module_ == &module) return;
   if (options_.seed >= 0) seed_everything(static_cast<uint64_t>(options_.seed));
   // Precision (fsdp/precision.h), before configure_model (which may already shard): a strategy
-  // may carry it out itself (FSDP: bf16-mixed is its MixedPrecisionPolicy); otherwise
-  // bf16-mixed runs the steps under CPU autocast, and bf16-true / 64-true build the model in
-  // that dtype.
+  // may carry it out itself (FSDP: bf16-mixed / 16-mixed is its MixedPrecisionPolicy);
+  // otherwise bf16-mixed / 16-mixed run the steps under CPU autocast, and bf16-true / 16-true /
+  // 64-true build the model in that dtype.
   const Precision precision = parse_precision(options_.precision);
-  cpu_autocast_ =
-      !strategy_->connect_precision(precision) && precision == Precision::kBf16Mixed;
+  cpu_autocast_ = strategy_->connect_precision(precision) ? std::optional<at::ScalarType>()
+                                                          : autocast_dtype(precision);
   const std::optional<at::ScalarType> true_dtype = true_precision_dtype(precision);
   {
     DefaultDtypeGuard default_dtype(true_dtype);
@@ -335,9 +359,16 @@ std::unique_ptr<Trainer::FitLoop> Trainer::setup_fit(LightningModule& module,
 
   setup_model(module);
   OptimizerConfig opt = module.configure_optimizers();
+  strategy_->configure_optimizers(module, opt);
   TORCH_CHECK(opt.optimizer, "[Trainer.fit] configure_optimizers() returned no optimizer; "
               "return {std::make_shared<torch::optim::Adam>(parameters(), ...)}");
+  const Precision precision = parse_precision(o.precision);
+  check_optimizer_precision(*opt.optimizer, precision);
   strategy_->setup_optimizer(*opt.optimizer);
+  // 16-mixed: dynamic loss scaling over the world (found-inf agreed by every rank), resumed
+  // from the checkpoint below.
+  grad_scaler_.reset();
+  if (uses_grad_scaler(precision)) grad_scaler_ = std::make_unique<ShardedGradScaler>(world_);
 
   distribute(train_loader, world_size(), global_rank());
   if (val_loader) distribute(*val_loader, world_size(), global_rank());
@@ -415,7 +446,9 @@ void Trainer::train_micro_batch(FitLoop& L, const Batch& batch, int64_t batch_id
   TORCH_CHECK(loss.requires_grad(), "[Trainer.fit] the loss returned by training_step at "
               "batch ", batch_idx, " does not require grad: it is not connected to any "
               "trainable parameter (was it computed under NoGradGuard or detached?)");
-  strategy_->backward(k > 1 ? loss / static_cast<double>(k) : loss);
+  at::Tensor to_backward = k > 1 ? loss / static_cast<double>(k) : loss;
+  if (grad_scaler_) to_backward = grad_scaler_->scale(to_backward);
+  strategy_->backward(to_backward);
   strategy_->post_backward(L.module, /*sync=*/boundary);
   L.loss_sum += loss.detach().item<double>();
   ++L.loss_count;
@@ -424,12 +457,21 @@ void Trainer::train_micro_batch(FitLoop& L, const Batch& batch, int64_t batch_id
 }
 
 // One optimizer step: clip, step on the (sharded) parameters, free the gradients, schedule.
+// 16-mixed: hooks and clipping see unscaled gradients, and the step is skipped on every rank
+// when any rank's gradients hold inf/nan (Lightning's MixedPrecision plugin, in this order).
 void Trainer::optimizer_step(FitLoop& L) {
+  if (grad_scaler_) grad_scaler_->unscale(*L.opt.optimizer);
   L.module.on_before_optimizer_step(*L.opt.optimizer);
   if (options_.gradient_clip_val > 0) {
     strategy_->clip_grad_norm(L.module, options_.gradient_clip_val);
   }
-  strategy_->optimizer_step(*L.opt.optimizer);
+  if (grad_scaler_) {
+    grad_scaler_->step(*L.opt.optimizer, [&] { strategy_->optimizer_step(*L.opt.optimizer); });
+    grad_scaler_->update();
+    results_.skipped_steps = grad_scaler_->skipped_steps();
+  } else {
+    strategy_->optimizer_step(*L.opt.optimizer);
+  }
   strategy_->zero_grad(*L.opt.optimizer);
   if (L.opt.scheduler) L.opt.scheduler->step();
   ++global_step_;

@@ -1,0 +1,544 @@
+// fsdp-finetune: QLoRA fine-tuning of a Hugging Face Llama model, the recipe of
+// ../shared/reference/003 (4-bit NF4 + double quantization base, LoRA adapters, 8-bit AdamW,
+// FSDP) in one command:
+//
+//   fsdp-finetune --model-dir Meta-Llama-3-8B --data train.jsonl --strategy fsdp --devices 2 \
+//     --per-device-train-batch-size 16 --gradient-accumulation-steps 8 --num-train-epochs 3 \
+//     --learning-rate 2.5e-5 --warmup-steps 2 --logging-steps 1 --optim paged_adamw_8bit \
+//     --save-steps 100 --save-total-limit 2 --output-dir results \
+//     --lora-r 8 --lora-alpha 16 --lora-dropout 0.05 \
+//     --lora-target-modules q_proj,k_proj,v_proj,o_proj,w1,w2,w3,lm_head
+//
+// Flags carry transformers.TrainingArguments / LoraConfig / BitsAndBytesConfig names (dashes
+// for underscores). Adapters are saved in PEFT's format to OUTPUT_DIR/checkpoint-<step> every
+// --save-steps optimizer steps (the --save-total-limit newest kept) and to OUTPUT_DIR/final.
+// --preset NAME replaces --model-dir with a randomly initialized model of a named layout (no
+// files; benchmarks); --dry-run prints the per-rank memory plan and exits without allocating.
+#include <fsdp/causal_lm_data.h>
+#include <fsdp/fsdp.h>
+#include <fsdp/hf.h>
+#include <fsdp/llama.h>
+#include <fsdp/lora.h>
+#include <fsdp/optim8bit.h>
+#include <fsdp/quantization.h>
+#include <fsdp/tokenizer.h>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+#include <torch/optim/adamw.h>
+#include <torch/optim/schedulers/lr_scheduler.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <limits>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+namespace fs = std::filesystem;
+
+struct Args {
+  // Model
+  std::string model_dir;
+  std::string preset;
+  std::string tokenizer_dir;
+  bool load_in_4bit = true;
+  bool double_quant = true;
+  std::string compute_dtype = "bfloat16";
+  std::string base_dtype = "float32";  // non-quantized base parameters (torch_dtype)
+  // LoRA
+  int64_t lora_r = 8;
+  double lora_alpha = 16;
+  double lora_dropout = 0.05;
+  std::string lora_target_modules = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj";
+  // Data
+  std::string data;
+  std::string text_field = "text";
+  int64_t max_length = 512;
+  int64_t synthetic_examples = 0;  // --data synthetic: random token sequences (benchmarks)
+  // TrainingArguments
+  std::string output_dir = "results";
+  int64_t warmup_steps = 0;
+  int64_t per_device_train_batch_size = 8;
+  int64_t gradient_accumulation_steps = 1;
+  double num_train_epochs = 3;
+  int64_t max_steps = -1;
+  double learning_rate = 5e-5;
+  double weight_decay = 0.0;
+  int64_t logging_steps = 10;
+  int64_t save_steps = 500;
+  int64_t save_total_limit = -1;
+  bool gradient_checkpointing = true;
+  std::string optim = "paged_adamw_8bit";
+  // Trainer
+  std::string strategy = "auto";
+  int devices = 1;
+  std::string backend = "auto";
+  std::string precision = "32-true";
+  uint64_t seed = 42;
+  bool no_progress_bar = false;
+  bool dry_run = false;
+  std::string summary_json;
+};
+
+std::vector<std::string> split_list(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    if (!item.empty()) out.push_back(item);
+  }
+  return out;
+}
+
+at::ScalarType parse_dtype(const std::string& name, const char* flag) {
+  if (name == "bfloat16" || name == "bf16") return at::kBFloat16;
+  if (name == "float32" || name == "fp32") return at::kFloat;
+  TORCH_CHECK(false, "[fsdp-finetune] ", flag, " '", name, "': use bfloat16 or float32");
+}
+
+fsdp::LlamaConfig model_config(const Args& a) {
+  if (!a.preset.empty()) return fsdp::llama_preset(a.preset);
+  return fsdp::LlamaConfig::from_file((fs::path(a.model_dir) / "config.json").string());
+}
+
+fsdp::HfLoadOptions load_options(const Args& a) {
+  fsdp::HfLoadOptions o;
+  o.dtype = parse_dtype(a.base_dtype, "--base-dtype");
+  if (a.load_in_4bit) {
+    fsdp::QuantizationConfig q;
+    q.double_quant = a.double_quant;
+    q.compute_dtype = parse_dtype(a.compute_dtype, "--bnb-4bit-compute-dtype");
+    o.quantization = q;
+    o.prepare_for_kbit_training = true;  // prepare_model_for_kbit_training (parameters part)
+  }
+  fsdp::LoraConfig lora;
+  lora.r = a.lora_r;
+  lora.lora_alpha = a.lora_alpha;
+  lora.lora_dropout = a.lora_dropout;
+  lora.target_modules = split_list(a.lora_target_modules);
+  o.lora = lora;
+  return o;
+}
+
+// transformers' get_linear_schedule_with_warmup: lr * s/warmup, then linearly to 0 at the
+// last step. Optimizer step k uses base * lambda(k).
+class LinearWarmup : public torch::optim::LRScheduler {
+ public:
+  LinearWarmup(torch::optim::Optimizer& opt, int64_t warmup, int64_t total)
+      : LRScheduler(opt), warmup_(warmup), total_(total) {
+    for (auto& g : opt.param_groups()) base_.push_back(g.options().get_lr());
+    for (size_t i = 0; i < base_.size(); ++i) opt.param_groups()[i].options().set_lr(base_[i] * lambda(0));
+  }
+
+ private:
+  double lambda(int64_t s) const {
+    if (s < warmup_) return static_cast<double>(s) / std::max<int64_t>(1, warmup_);
+    return std::max(0.0, static_cast<double>(total_ - s) / std::max<int64_t>(1, total_ - warmup_));
+  }
+  std::vector<double> get_lrs() override {
+    std::vector<double> out;
+    for (double b : base_) out.push_back(b * lambda(static_cast<int64_t>(step_count_) + 1));
+    return out;
+  }
+  int64_t warmup_, total_;
+  std::vector<double> base_;
+};
+
+class Finetune : public fsdp::LightningModule {
+ public:
+  Finetune(const Args& a, int64_t total_steps) : a_(a), total_steps_(total_steps) {}
+
+  void configure_model() override {
+    if (model) return;
+    fsdp::HfLoadOptions o = load_options(a_);
+    model = register_module("model", a_.preset.empty() ? fsdp::load_llama(a_.model_dir, o)
+                                                        : fsdp::make_llama(model_config(a_), o));
+    // enable_input_require_grads: checkpointed layers back-propagate into their adapters even
+    // though the frozen embedding's output needs no gradient. Under FSDP the strategy applies
+    // checkpointing (FSDPOptions::activation_checkpointing_policy).
+    if (a_.gradient_checkpointing) model->model->input_require_grads = true;
+    if (a_.gradient_checkpointing && a_.strategy.rfind("fsdp", 0) != 0) {
+      fsdp::apply_activation_checkpointing(*model, fsdp::llama_layer_types());
+    }
+  }
+
+  at::Tensor training_step(const fsdp::Batch& batch, int64_t) override {
+    const int64_t n = fsdp::used_length(batch);  // drop right padding beyond every target
+    at::Tensor logits = (*model)(batch.input.narrow(1, 0, n));  // (B, n, V)
+    at::Tensor target = batch.target.narrow(1, 0, n).reshape({-1});
+    at::Tensor loss = at::cross_entropy_loss(logits.to(at::kFloat).reshape({target.numel(), -1}),
+                                             target, {}, at::Reduction::Mean, -100);
+    fsdp::LogOptions o;
+    o.prog_bar = true;
+    o.sync_dist = true;
+    log("train_loss", loss, o);
+    return loss;
+  }
+
+  fsdp::OptimizerConfig configure_optimizers() override {
+    std::vector<at::Tensor> trainable;
+    for (auto& p : parameters()) {
+      if (p.requires_grad()) trainable.push_back(p);
+    }
+    std::shared_ptr<torch::optim::Optimizer> opt;
+    if (a_.optim == "adamw_torch") {
+      opt = std::make_shared<torch::optim::AdamW>(
+          trainable, torch::optim::AdamWOptions(a_.learning_rate).weight_decay(a_.weight_decay));
+    } else {
+      opt = std::make_shared<fsdp::AdamW8bit>(
+          trainable, fsdp::AdamW8bitOptions(a_.learning_rate)
+                         .weight_decay(a_.weight_decay)
+                         .paged(a_.optim == "paged_adamw_8bit"));
+    }
+    auto sched = std::make_shared<LinearWarmup>(*opt, a_.warmup_steps, total_steps_);
+    return {opt, sched};
+  }
+
+  std::shared_ptr<fsdp::LlamaForCausalLM> model;
+
+ private:
+  Args a_;
+  int64_t total_steps_;
+};
+
+// PEFT adapter checkpoints: OUTPUT_DIR/checkpoint-<step> every save_steps optimizer steps,
+// keeping the save_total_limit newest (HF Trainer's save_strategy="steps").
+class AdapterCheckpoint : public fsdp::Callback {
+ public:
+  AdapterCheckpoint(const Args& a, fsdp::LoraConfig lora, std::string base)
+      : a_(a), lora_(std::move(lora)), base_(std::move(base)) {}
+
+  void on_train_batch_end(fsdp::Trainer& t, fsdp::LightningModule& m, int64_t) override {
+    const int64_t step = t.global_step();
+    if (a_.save_steps <= 0 || step == 0 || step % a_.save_steps != 0 || step == last_saved_) return;
+    save(t, m, (fs::path(a_.output_dir) / ("checkpoint-" + std::to_string(step))).string());
+    last_saved_ = step;
+    if (t.is_global_zero()) {
+      saved_.push_back(step);
+      while (a_.save_total_limit > 0 && static_cast<int64_t>(saved_.size()) > a_.save_total_limit) {
+        fs::remove_all(fs::path(a_.output_dir) / ("checkpoint-" + std::to_string(saved_.front())));
+        saved_.erase(saved_.begin());
+      }
+    }
+  }
+
+  void on_train_end(fsdp::Trainer& t, fsdp::LightningModule& m) override {
+    save(t, m, (fs::path(a_.output_dir) / "final").string());
+  }
+
+ private:
+  void save(fsdp::Trainer& t, fsdp::LightningModule& m, const std::string& dir) {
+    auto& f = static_cast<Finetune&>(m);
+    // Collective: every rank gathers its adapter shards; rank 0 writes.
+    auto weights = fsdp::gather_lora_weights(*f.model, t.world().get());
+    if (t.is_global_zero()) {
+      fsdp::save_peft_adapter(weights, lora_, dir, base_);
+      t.print("[fsdp-finetune] saved adapter to " + dir);
+    }
+    t.strategy()->barrier();
+  }
+
+  Args a_;
+  fsdp::LoraConfig lora_;
+  std::string base_;
+  int64_t last_saved_ = -1;
+  std::vector<int64_t> saved_;
+};
+
+std::string what_of(const std::exception& e) {
+  if (auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
+  return e.what();
+}
+
+// Logical parameter counts (a 4-bit weight counts its out x in elements), as PEFT's
+// print_trainable_parameters.
+std::pair<int64_t, int64_t> logical_counts(const fsdp::LlamaConfig& c, const fsdp::LoraConfig& lora) {
+  int64_t trainable = 0;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    const std::string pre = "model.layers." + std::to_string(l) + ".";
+    const int64_t C = c.hidden_size, D = c.head_size(), H = c.num_attention_heads, KV = c.kv_heads();
+    const int64_t I = c.intermediate_size;
+    const std::vector<std::tuple<std::string, int64_t, int64_t>> linears = {
+        {"self_attn.q_proj", C, H * D},  {"self_attn.k_proj", C, KV * D}, {"self_attn.v_proj", C, KV * D},
+        {"self_attn.o_proj", H * D, C}, {"mlp.gate_proj", C, I},         {"mlp.up_proj", C, I},
+        {"mlp.down_proj", I, C}};
+    for (const auto& [name, in, out] : linears) {
+      if (fsdp::is_lora_target(lora, pre + name)) trainable += lora.r * (in + out);
+    }
+  }
+  if (fsdp::is_lora_target(lora, "lm_head")) trainable += lora.r * (c.hidden_size + c.vocab_size);
+  return {c.parameter_count() + trainable, trainable};
+}
+
+int dry_run(const Args& a) {
+  const fsdp::LlamaConfig config = model_config(a);
+  const fsdp::HfLoadOptions o = load_options(a);
+  std::shared_ptr<fsdp::LlamaForCausalLM> model;
+  {
+    fsdp::MetaInitGuard meta;  // shapes only: nothing allocated, nothing read
+    model = fsdp::make_llama(config, o);
+  }
+  const int world = a.devices;
+  fsdp::FSDPOptions fo;
+  fo.auto_wrap_policy = fsdp::AutoWrapPolicy::of_types(fsdp::llama_layer_types());
+  const fsdp::FSDPMemoryEstimate e = fsdp::estimate_fsdp_memory(*model, fo, world, world);
+  const auto [all, trainable] = logical_counts(config, *o.lora);
+  int64_t base_bytes = 0, quantized_elems = 0;
+  for (auto& m : model->modules()) {
+    if (auto* q = dynamic_cast<fsdp::Linear4bit*>(m.get())) {
+      quantized_elems += q->in_features() * q->out_features();
+      base_bytes += fsdp::linear4bit_nbytes(q->out_features(), q->in_features(), *o.quantization);
+    }
+  }
+  // 8-bit AdamW: two uint8 moments + two fp32 absmaxes per 256 elements, on this rank's shard.
+  const int64_t shard_trainable = (trainable + world - 1) / world;
+  const int64_t optim_bytes = a.optim == "adamw_torch" ? 8 * shard_trainable
+                                                       : 2 * shard_trainable + 8 * ((shard_trainable + 255) / 256);
+  std::cout << "[fsdp-finetune] dry run: " << (a.preset.empty() ? a.model_dir : a.preset) << ", "
+            << all << " parameters (" << trainable << " trainable LoRA, "
+            << 100.0 * trainable / all << "%), 4-bit " << (a.load_in_4bit ? "on" : "off")
+            << ", world " << world << " (FSDP FULL_SHARD, one unit per decoder layer); nothing allocated\n";
+  if (quantized_elems > 0) {
+    std::printf("quantized base: %lld weights in %s = %.4f bytes/weight\n",
+                static_cast<long long>(quantized_elems), fsdp::format_bytes(base_bytes).c_str(),
+                static_cast<double>(base_bytes) / quantized_elems);
+  }
+  std::printf("%-34s %12s\n", "per rank", "bytes");
+  std::printf("%-34s %12s\n", "sharded parameters (base + LoRA)", fsdp::format_bytes(e.sharded_param_bytes).c_str());
+  std::printf("%-34s %12s\n", "sharded LoRA gradients", fsdp::format_bytes(e.sharded_grad_bytes).c_str());
+  std::printf("%-34s %12s\n", (a.optim == "adamw_torch" ? "AdamW state" : "8-bit AdamW state"),
+              fsdp::format_bytes(optim_bytes).c_str());
+  std::printf("%-34s %12s\n", "unsharded units (root + 2 layers)", fsdp::format_bytes(e.unsharded_peak_bytes).c_str());
+  const int64_t total = e.sharded_param_bytes + e.sharded_grad_bytes + optim_bytes + e.unsharded_peak_bytes;
+  std::printf("%-34s %12s\n", "total model state", fsdp::format_bytes(total).c_str());
+  std::cout << "activations not included (gradient checkpointing keeps one layer's input per "
+               "layer). Peak RSS of this dry run: " << fsdp::format_bytes(fsdp::peak_rss_bytes()) << std::endl;
+  if (!a.summary_json.empty()) {
+    nlohmann::json j;
+    j["model"] = a.preset.empty() ? a.model_dir : a.preset;
+    j["params"] = all;
+    j["trainable_params"] = trainable;
+    j["world_size"] = world;
+    j["quantized_weights"] = quantized_elems;
+    j["quantized_bytes"] = base_bytes;
+    j["sharded_param_bytes"] = e.sharded_param_bytes;
+    j["sharded_grad_bytes"] = e.sharded_grad_bytes;
+    j["optimizer_bytes"] = optim_bytes;
+    j["unsharded_peak_bytes"] = e.unsharded_peak_bytes;
+    j["total_bytes"] = total;
+    std::ofstream f(a.summary_json);
+    f << j.dump(2) << "\n";
+  }
+  return 0;
+}
+
+std::shared_ptr<fsdp::CausalLMDataset> load_data(const Args& a, const fsdp::LlamaConfig& config,
+                                                 std::string* description) {
+  if (a.data == "synthetic") {
+    // Random token sequences of max_length (benchmarks without a tokenizer).
+    TORCH_CHECK(a.synthetic_examples > 0, "[fsdp-finetune] --data synthetic needs --synthetic-examples N");
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(a.seed);
+    at::Tensor ids = at::randint(config.vocab_size, {a.synthetic_examples, a.max_length}, gen, at::kLong);
+    std::vector<std::vector<int64_t>> seqs;
+    for (int64_t i = 0; i < a.synthetic_examples; ++i) {
+      const int64_t* p = ids[i].data_ptr<int64_t>();
+      seqs.emplace_back(p, p + a.max_length);
+    }
+    *description = std::to_string(a.synthetic_examples) + " random sequences of " + std::to_string(a.max_length);
+    return std::make_shared<fsdp::CausalLMDataset>(std::move(seqs), a.max_length, 0);
+  }
+  const std::string tok_dir = a.tokenizer_dir.empty() ? a.model_dir : a.tokenizer_dir;
+  TORCH_CHECK(!tok_dir.empty(), "[fsdp-finetune] text data needs a tokenizer: pass --tokenizer-dir "
+              "(a folder with tokenizer.json) or --model-dir");
+  fsdp::Tokenizer tok = fsdp::Tokenizer::from_pretrained(tok_dir);
+  // The recipe: AutoTokenizer(..., add_eos_token=True, add_bos_token=True); pad = eos.
+  tok.add_bos_token = tok.add_eos_token = true;
+  if (tok.bos_token_id < 0 && config.bos_token_id >= 0) tok.bos_token_id = config.bos_token_id;
+  if (tok.eos_token_id < 0 && !config.eos_token_ids.empty()) tok.eos_token_id = config.eos_token_ids[0];
+  tok.pad_token_id = tok.eos_token_id;
+  TORCH_CHECK(tok.pad_token_id >= 0, "[fsdp-finetune] the tokenizer has no EOS token to pad with");
+  auto texts = fsdp::read_text_examples(a.data, a.text_field);
+  TORCH_CHECK(!texts.empty(), "[fsdp-finetune] '", a.data, "' holds no examples");
+  auto data = std::make_shared<fsdp::CausalLMDataset>(texts, tok, a.max_length);
+  *description = std::to_string(data->size()) + " examples, " + std::to_string(data->num_tokens()) +
+                 " tokens (" + std::to_string(data->truncated()) + " truncated to " +
+                 std::to_string(a.max_length) + ")";
+  return data;
+}
+
+int run(const Args& a) {
+  TORCH_CHECK(!a.data.empty(), "[fsdp-finetune] pass --data FILE (a .jsonl or text file) or --data synthetic");
+  fsdp::seed_everything(a.seed);
+  const fsdp::LlamaConfig config = model_config(a);
+  std::string data_desc;
+  auto data = load_data(a, config, &data_desc);  // fails once, before other ranks start
+
+  fsdp::TrainerOptions t;
+  t.devices = a.devices;
+  t.strategy = a.strategy;
+  if (a.strategy.rfind("fsdp", 0) == 0) {
+    fsdp::FSDPOptions o;
+    o.auto_wrap_policy = fsdp::AutoWrapPolicy::of_types(fsdp::llama_layer_types());
+    if (a.gradient_checkpointing) o.activation_checkpointing_policy = fsdp::llama_layer_types();
+    t.strategy = fsdp::make_fsdp_strategy(a.strategy, o);
+  }
+  t.precision = a.precision;
+  const int64_t world = a.devices;
+  const int64_t batches_per_epoch = data->size() / (a.per_device_train_batch_size * world);
+  TORCH_CHECK(batches_per_epoch > 0, "[fsdp-finetune] ", data->size(), " examples are fewer than one "
+              "batch of ", a.per_device_train_batch_size, " x ", world, " ranks");
+  const int64_t steps_per_epoch = std::max<int64_t>(1, batches_per_epoch / a.gradient_accumulation_steps);
+  const int64_t total_steps = a.max_steps > 0 ? a.max_steps
+                                              : static_cast<int64_t>(std::ceil(a.num_train_epochs * steps_per_epoch));
+  t.max_steps = total_steps;
+  t.max_epochs = static_cast<int64_t>(std::ceil(a.num_train_epochs));
+  if (a.max_steps > 0) t.max_epochs = -1;
+  t.accumulate_grad_batches = a.gradient_accumulation_steps;
+  t.log_every_n_steps = a.logging_steps;
+  t.enable_progress_bar = !a.no_progress_bar;
+  t.default_root_dir = a.output_dir;
+  t.seed = static_cast<int64_t>(a.seed);
+  t.process_group_backend = a.backend;
+  const fsdp::HfLoadOptions lo = load_options(a);
+  t.callbacks.push_back(std::make_shared<AdapterCheckpoint>(a, *lo.lora, a.preset.empty() ? a.model_dir : a.preset));
+  fsdp::Trainer trainer(t);  // devices > 1: the other ranks start here
+
+  fsdp::DataLoader loader(data, a.per_device_train_batch_size,
+                          fsdp::DistributedSampler(data->size(), 1, 0, /*shuffle=*/true, a.seed), true);
+  Finetune module(a, total_steps);
+  const auto [all, trainable] = logical_counts(config, *lo.lora);
+  std::ostringstream head;
+  head << "[fsdp-finetune] " << (a.preset.empty() ? a.model_dir : a.preset) << ": "
+       << (a.load_in_4bit ? std::string("NF4") + (a.double_quant ? " + double quant" : "") + ", compute " + a.compute_dtype
+                          : "dense " + a.base_dtype)
+       << "; trainable params: " << trainable << " || all params: " << all << " || trainable%: "
+       << 100.0 * trainable / all << "\n[fsdp-finetune] data: " << data_desc << "; " << total_steps
+       << " optimizer steps of " << a.per_device_train_batch_size << " x " << world << " ranks x "
+       << a.gradient_accumulation_steps << " accumulation; optim " << a.optim << ", strategy "
+       << trainer.strategy()->name() << (a.gradient_checkpointing ? ", gradient checkpointing" : "");
+  trainer.print(head.str());
+  trainer.fit(module, loader);
+
+  const fsdp::FitResults& r = trainer.results();
+  if (trainer.is_global_zero() && !a.summary_json.empty()) {
+    nlohmann::json j;
+    j["model"] = a.preset.empty() ? a.model_dir : a.preset;
+    j["load_in_4bit"] = a.load_in_4bit;
+    j["strategy"] = trainer.strategy()->name();
+    j["world_size"] = trainer.world_size();
+    j["params"] = all;
+    j["trainable_params"] = trainable;
+    j["steps"] = r.steps;
+    j["it_per_s"] = r.it_per_s;
+    j["seconds"] = r.seconds;
+    std::vector<double> alloc, rss, setup_alloc;
+    for (auto b : r.peak_alloc_bytes) alloc.push_back(b / 1048576.0);
+    for (auto b : r.peak_rss_bytes) rss.push_back(b / 1048576.0);
+    for (auto b : r.setup_peak_alloc_bytes) setup_alloc.push_back(b / 1048576.0);
+    j["peak_alloc_mb"] = alloc;
+    j["peak_rss_mb"] = rss;
+    j["setup_peak_alloc_mb"] = setup_alloc;
+    j["losses"] = r.losses;
+    std::ofstream f(a.summary_json);
+    TORCH_CHECK(f, "[fsdp-finetune] cannot write --summary-json '", a.summary_json, "'");
+    f << j.dump(2) << "\n";
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args a;
+  CLI::App app{
+      "fsdp-finetune: QLoRA fine-tuning of a Hugging Face Llama model (NF4 base, LoRA "
+      "adapters in PEFT's format, 8-bit AdamW, FSDP).\nRanks are processes: --devices N "
+      "re-executes this program N times."};
+  app.option_defaults()->always_capture_default();
+  app.get_formatter()->column_width(40);
+  // Model
+  auto* o_dir = app.add_option("--model-dir", a.model_dir, "Hugging Face model folder (config.json, *.safetensors)");
+  auto* o_preset = app.add_option("--preset", a.preset, "instead of --model-dir: a random model of this layout")
+                       ->check(CLI::IsMember(fsdp::llama_preset_names()));
+  o_dir->excludes(o_preset);
+  app.add_option("--tokenizer-dir", a.tokenizer_dir, "folder with tokenizer.json (default: --model-dir)");
+  app.add_flag("--load-in-4bit,!--no-load-in-4bit", a.load_in_4bit, "NF4-quantize the base's linear layers (QLoRA)");
+  app.add_flag("--bnb-4bit-use-double-quant,!--no-double-quant", a.double_quant, "8-bit absmaxes (double quantization)");
+  app.add_option("--bnb-4bit-compute-dtype", a.compute_dtype, "4-bit layers compute in: bfloat16 | float32");
+  app.add_option("--base-dtype", a.base_dtype, "dtype of the non-quantized base parameters: float32 | bfloat16");
+  // LoRA
+  app.add_option("--lora-r", a.lora_r, "LoRA rank")->check(CLI::PositiveNumber);
+  app.add_option("--lora-alpha", a.lora_alpha, "LoRA alpha (scaling = alpha / r)")->check(CLI::PositiveNumber);
+  app.add_option("--lora-dropout", a.lora_dropout, "dropout on the adapter input")->check(CLI::Range(0.0, 0.99));
+  app.add_option("--lora-target-modules", a.lora_target_modules,
+                 "comma-separated layer names (PEFT matching), or all-linear");
+  // Data
+  app.add_option("--data", a.data, "a local .jsonl (one {\"text\": ...} per line) or text file "
+                 "(one example per paragraph), or synthetic");
+  app.add_option("--text-field", a.text_field, "JSONL field holding the text");
+  app.add_option("--max-length", a.max_length, "tokens per example (longer ones are truncated)")
+      ->check(CLI::Range(int64_t{2}, std::numeric_limits<int64_t>::max()));
+  app.add_option("--synthetic-examples", a.synthetic_examples, "--data synthetic: number of random sequences");
+  // TrainingArguments
+  app.add_option("--output-dir", a.output_dir, "checkpoint-<step>/ and final/ adapters, CSV logs");
+  app.add_option("--warmup-steps", a.warmup_steps, "linear warmup steps (then linear decay to 0)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--per-device-train-batch-size", a.per_device_train_batch_size, "examples per rank per micro-batch")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--gradient-accumulation-steps", a.gradient_accumulation_steps, "micro-batches per optimizer step")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--num-train-epochs", a.num_train_epochs, "epochs (ignored when --max-steps > 0)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--max-steps", a.max_steps, "optimizer steps (-1: from --num-train-epochs)");
+  app.add_option("--learning-rate", a.learning_rate, "peak learning rate")->check(CLI::PositiveNumber);
+  app.add_option("--weight-decay", a.weight_decay, "AdamW weight decay")->check(CLI::NonNegativeNumber);
+  app.add_option("--logging-steps", a.logging_steps, "log every N optimizer steps")->check(CLI::PositiveNumber);
+  app.add_option("--save-steps", a.save_steps, "save the adapter every N optimizer steps (0: only at the end)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--save-total-limit", a.save_total_limit, "keep the N newest checkpoint-<step> adapters (-1: all)");
+  app.add_flag("--gradient-checkpointing,!--no-gradient-checkpointing", a.gradient_checkpointing,
+               "recompute each decoder layer in backward");
+  app.add_option("--optim", a.optim, "paged_adamw_8bit | adamw_8bit (bitsandbytes-exact 8-bit AdamW; "
+                 "paged = same on CPU) | adamw_torch")
+      ->check(CLI::IsMember({"paged_adamw_8bit", "adamw_8bit", "adamw_torch"}));
+  // Trainer
+  app.add_option("--strategy", a.strategy, "auto | single | ddp | fsdp")
+      ->check(CLI::IsMember({"auto", "single", "ddp", "fsdp"}));
+  app.add_option("--devices", a.devices, "ranks (processes)")->check(CLI::PositiveNumber);
+  app.add_option("--backend", a.backend, "process group backend")->check(CLI::IsMember({"auto", "gloo", "mpi"}));
+  app.add_option("--precision", a.precision, "32-true (4-bit layers still compute in --bnb-4bit-compute-dtype) | bf16-mixed")
+      ->check(CLI::IsMember({"32-true", "bf16-mixed"}));
+  app.add_option("--seed", a.seed, "seed (same on every rank)");
+  app.add_flag("--no-progress-bar", a.no_progress_bar, "disable the progress bar");
+  app.add_flag("--dry-run", a.dry_run, "print the per-rank memory plan at --devices (meta device) and exit");
+  app.add_option("--summary-json", a.summary_json, "write the run summary as JSON here");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp&) {
+    std::cout << app.help();
+    return 0;
+  } catch (const CLI::ParseError& e) {
+    std::string msg = e.what();
+    std::replace(msg.begin(), msg.end(), '\n', ' ');
+    std::cerr << "fsdp-finetune: error: " << msg << " (see fsdp-finetune --help)" << std::endl;
+    return 2;
+  }
+  if (a.model_dir.empty() && a.preset.empty()) {
+    std::cerr << "fsdp-finetune: error: pass --model-dir DIR (or --preset NAME)" << std::endl;
+    return 2;
+  }
+  try {
+    if (a.dry_run) return dry_run(a);
+    return run(a);
+  } catch (const std::exception& e) {
+    fsdp::fail_rank(what_of(e));
+  }
+}

@@ -1,0 +1,163 @@
+// DeepSpeedStrategy: DeepSpeed's ZeRO stages 1, 2 and 3 as native strategies, with Lightning's
+// names, constructor options and defaults (lightning.pytorch.strategies.DeepSpeedStrategy).
+//
+//   fsdp::Trainer trainer({.devices = 4, .strategy = "deepspeed_stage_2"});
+//   // or
+//   fsdp::DeepSpeedOptions o;
+//   o.stage = 1;
+//   o.reduce_bucket_size = 5e7;
+//   fsdp::Trainer trainer({.devices = 4, .strategy = std::make_shared<fsdp::DeepSpeedStrategy>(o)});
+//
+// What each stage keeps per rank (fp32, Adam; W ranks, Ψ parameters):
+//   stage 1  parameters whole (4Ψ), gradients whole until the step (4Ψ), Adam state of this
+//            rank's partition (8Ψ/W). At the step's last micro-batch the gradients are
+//            reduce-scattered in reduce_bucket_size buckets; each rank steps its partition;
+//            the updated partitions are all-gathered in allgather_bucket_size buckets.
+//   stage 2  as stage 1, but each bucket is reduce-scattered during backward as soon as its
+//            gradients exist, every micro-batch, and only this rank's partition of the gradient
+//            is kept (4Ψ + 12Ψ/W, plus two buckets in flight).
+//   stage 3  parameters sharded too: the FSDP engine (FULL_SHARD, one unit per module with
+//            parameters, as DeepSpeed fetches per module), 16Ψ/W. Parameters with at most
+//            stage3_param_persistence_threshold elements stay whole on every rank and are
+//            partitioned as in stage 2 (DeepSpeed's persistent parameters).
+// The partition of a parameter is its dim-0 row range (FSDP's layout), so checkpoints of every
+// stage are fsdp.cpp's sharded/full checkpoints: they load at any world size and under any
+// strategy. See docs/design.md "ZeRO stages".
+#pragma once
+
+#include "fsdp/strategy.h"
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace fsdp {
+
+// Lightning's DeepSpeedStrategy arguments, same names and defaults (facts: Lightning's
+// strategies/deepspeed.py). Bucket sizes count elements, as in DeepSpeed.
+struct DeepSpeedOptions {
+  bool zero_optimization = true;  // false (plain DeepSpeed data parallel): use "ddp" instead
+  int stage = 2;                  // 1 | 2 | 3
+  // "cpu" places parameters and optimizer state in host memory; "nvme" is the disk tier
+  // (not implemented yet: an error). Unset: offload_params_device / offload_optimizer_device.
+  std::string remote_device;
+  bool offload_optimizer = false;   // optimizer state and step in host memory (stages 1-3)
+  bool offload_parameters = false;  // parameters in host memory (stage 3 only)
+  std::string offload_params_device = "cpu";     // "cpu" | "nvme"
+  std::string offload_optimizer_device = "cpu";  // "cpu" | "nvme"
+  std::string nvme_path = "/local_nvme";         // the disk tier's; unused until it lands
+  bool pin_memory = false;
+  double sub_group_size = 1e12;
+  bool contiguous_gradients = true;  // gradients copied into one flat bucket (always, here)
+  bool overlap_comm = true;          // reduce-scatter buckets while backward runs (stage 2)
+  bool allgather_partitions = true;  // all-gather updated partitions (the only way, here)
+  bool reduce_scatter = true;        // reduce-scatter gradients (the only way, here)
+  double allgather_bucket_size = 2e8;  // elements per all-gather bucket
+  double reduce_bucket_size = 2e8;     // elements per reduce-scatter bucket
+  bool zero_allow_untested_optimizer = true;
+  // DeepSpeed's activation checkpointing (partition_activations, cpu_checkpointing) is not
+  // implemented yet: true is an error.
+  bool partition_activations = false;
+  bool cpu_checkpointing = false;
+  // ZeRO-3 knob from DeepSpeed's zero_optimization (default as DeepSpeed's): parameters with at
+  // most this many elements are never sharded (kept whole, gradients reduce-scattered, optimizer
+  // state partitioned, updated values all-gathered).
+  int64_t stage3_param_persistence_threshold = 100000;
+  // A DeepSpeed JSON config: a path to a file, or the JSON object itself (text starting with
+  // '{'). When set it replaces every default above, as in Lightning; unset, the environment
+  // variable PL_DEEPSPEED_CONFIG_PATH names a file. See parse_deepspeed_config.
+  std::string config;
+};
+
+// What a DeepSpeed JSON config asks for besides ZeRO (the Trainer applies these).
+struct DeepSpeedTrainingConfig {
+  std::optional<std::string> precision;           // "bf16-mixed" when bf16.enabled
+  std::optional<double> gradient_clipping;
+  std::optional<int64_t> gradient_accumulation_steps;
+  std::optional<int64_t> train_micro_batch_size_per_gpu;
+  // optimizer: {"type": "Adam" | "AdamW", "params": {lr, betas, eps, weight_decay,
+  // adam_w_mode}}. As in DeepSpeed, "Adam" decouples weight decay (AdamW) unless
+  // "adam_w_mode": false; built as torch::optim::AdamW, or torch::optim::Adam (L2) then.
+  std::string optimizer_type;  // "" = none in the config
+  double lr = 1e-3;
+  double beta1 = 0.9, beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0;
+  bool adam_w_mode = true;
+  // scheduler: {"type": "WarmupLR" | "WarmupDecayLR", "params": {warmup_min_lr, warmup_max_lr,
+  // warmup_num_steps, warmup_type, total_num_steps}}
+  std::string scheduler_type;  // "" = none
+  double warmup_min_lr = 0, warmup_max_lr = 1e-3;
+  int64_t warmup_num_steps = 1000;
+  std::string warmup_type = "log";  // "log" | "linear"
+  int64_t total_num_steps = 0;      // WarmupDecayLR only (required there)
+};
+
+// Parses a DeepSpeed JSON config (file path, or JSON object text) into ZeRO options (replacing
+// `defaults`' ZeRO fields: a config replaces the defaults, as in Lightning) and the training
+// settings. An unknown or unsupported key, or a value of the wrong type, is one error that names
+// the key and lists the supported ones.
+DeepSpeedOptions parse_deepspeed_config(const std::string& path_or_json,
+                                        DeepSpeedTrainingConfig* training = nullptr);
+
+class DeepSpeedStrategy : public Strategy {
+ public:
+  // Applies `config` (or PL_DEEPSPEED_CONFIG_PATH) and checks the options: an unsupported
+  // combination (nvme, stage 0, activation partitioning) is an error saying what is missing.
+  explicit DeepSpeedStrategy(DeepSpeedOptions options = {});
+  ~DeepSpeedStrategy() override;
+
+  // "deepspeed", "deepspeed_stage_1", ... (set by make_deepspeed_strategy).
+  std::string name() const override { return name_; }
+  void set_name(std::string name) { name_ = std::move(name); }
+  const DeepSpeedOptions& options() const { return options_; }
+  // The config's non-ZeRO settings (empty without a config).
+  const DeepSpeedTrainingConfig& training_config() const { return training_; }
+
+  void connect(ProcessGroupPtr world, const LaunchInfo& launch) override;
+  // The config's bf16 (precision "bf16-mixed"), gradient_clipping and
+  // gradient_accumulation_steps into the Trainer's options; a different non-default value
+  // there is an error naming both.
+  void configure_trainer(TrainerOptions& options) const override;
+  void setup_module(LightningModule& module) override;
+  // The config's optimizer (and scheduler) over the set-up module's parameters, replacing the
+  // module's own (Lightning: a config optimizer wins).
+  void configure_optimizers(LightningModule& module, OptimizerConfig& config) override;
+  void setup_optimizer(torch::optim::Optimizer& optimizer) override;
+  void pre_forward(LightningModule& module, bool sync) override;
+  void backward(const at::Tensor& loss) override;
+  void post_backward(LightningModule& module, bool sync) override;
+  void post_eval_step(LightningModule& module) override;
+  double clip_grad_norm(LightningModule& module, double max_norm) override;
+  // optimizer.step() on this rank's partitions, then the all-gather of the updated values.
+  void optimizer_step(torch::optim::Optimizer& optimizer) override;
+  void zero_grad(torch::optim::Optimizer& optimizer) override;
+  std::pair<int64_t, int64_t> parameter_counts(torch::nn::Module& module) override;
+  LocalShards local_shards() override;
+
+  // Full parameter values by FQN (collective: every rank calls it).
+  std::vector<std::pair<std::string, at::Tensor>> gather_full_params();
+
+  // --- introspection (tests): elements of whole parameters kept persistent by stage 3, and the
+  // number of gradient buckets of the partitioner (0 when there is none).
+  int64_t persistent_numel() const;
+  int64_t num_grad_buckets() const;
+
+ private:
+  struct Impl;
+  DeepSpeedOptions options_;
+  DeepSpeedTrainingConfig training_;
+  std::string name_ = "deepspeed";
+  std::unique_ptr<Impl> impl_;
+};
+
+// Lightning's registry names: "deepspeed" (stage 2), "deepspeed_stage_1", "deepspeed_stage_2",
+// "deepspeed_stage_2_offload", "deepspeed_stage_3", "deepspeed_stage_3_offload",
+// "deepspeed_stage_3_offload_nvme" (an error until the disk tier lands).
+std::vector<std::string> deepspeed_strategy_names();
+std::shared_ptr<DeepSpeedStrategy> make_deepspeed_strategy(const std::string& name,
+                                                           DeepSpeedOptions options = {});
+
+}  // namespace fsdp

@@ -1,0 +1,364 @@
+// DeepSpeedStrategy: the Strategy calls (fsdp/strategy.h) for ZeRO stages 1, 2 and 3. Stages 1
+// and 2 are the ZeroPartitioner (partitioner.cpp) over every trainable parameter; stage 3 is the
+// FSDP engine (FULL_SHARD, a unit per module with parameters) plus a ZeroPartitioner over the
+// persistent parameters the engine ignores. See docs/design.md "ZeRO stages".
+#include "fsdp/deepspeed.h"
+
+#include "fsdp/fsdp_strategy.h"
+#include "fsdp/lightning.h"
+#include "fsdp/trainer.h"
+#include "zero/partitioner.h"
+#include "zero/warmup_lr.h"
+
+#include <c10/util/Exception.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <unordered_set>
+
+namespace fsdp {
+
+struct DeepSpeedStrategy::Impl {
+  // Stages 1/2: every trainable parameter; stage 3: the persistent trainable ones (or null).
+  std::unique_ptr<detail::ZeroPartitioner> zero;
+  std::shared_ptr<FSDPStrategy> fsdp;  // stage 3
+  // Stage 3: parameters kept whole (fqn, tensor), trainable or not.
+  std::vector<std::pair<std::string, at::Tensor>> persistent;
+  torch::nn::Module* module = nullptr;
+};
+
+namespace {
+
+void check_device(const std::string& what, const std::string& device) {
+  TORCH_CHECK(device != "nvme", "[deepspeed] ", what, " = \"nvme\": the disk tier (NVMe offload, "
+              "ZeRO-Infinity) is not implemented yet. HINT: use 'deepspeed_stage_3_offload' "
+              "(host memory) instead");
+  TORCH_CHECK(device == "cpu", "[deepspeed] ", what, " must be \"cpu\" (or \"nvme\", not "
+              "implemented yet), got \"", device, "\"");
+}
+
+void check_options(const DeepSpeedOptions& o) {
+  TORCH_CHECK(o.zero_optimization, "[deepspeed] zero_optimization=false is DeepSpeed's plain "
+              "data parallelism; use strategy 'ddp' for that");
+  TORCH_CHECK(o.stage >= 1 && o.stage <= 3, "[deepspeed] ZeRO stage ", o.stage,
+              " is not available; stages 1, 2 and 3 are (stage 0 is plain data parallelism: "
+              "use strategy 'ddp')");
+  if (!o.remote_device.empty()) check_device("remote_device", o.remote_device);
+  if (o.offload_optimizer) check_device("offload_optimizer_device", o.offload_optimizer_device);
+  if (o.offload_parameters) check_device("offload_params_device", o.offload_params_device);
+  TORCH_CHECK(!o.offload_parameters || o.stage == 3, "[deepspeed] offload_parameters needs "
+              "stage 3 (DeepSpeed offloads parameters only when they are partitioned); got stage ",
+              o.stage, ". HINT: use offload_optimizer for stages 1 and 2");
+  TORCH_CHECK(!o.partition_activations, "[deepspeed] partition_activations is not implemented "
+              "yet. HINT: use activation checkpointing (fsdp::apply_activation_checkpointing, or "
+              "fsdp-train --activation-checkpointing) without partitioning");
+  TORCH_CHECK(!o.cpu_checkpointing, "[deepspeed] cpu_checkpointing is not implemented yet (it "
+              "belongs to DeepSpeed's activation partitioning)");
+  TORCH_CHECK(o.reduce_bucket_size >= 1 && o.allgather_bucket_size >= 1,
+              "[deepspeed] reduce_bucket_size and allgather_bucket_size must be >= 1 element "
+              "(got ", o.reduce_bucket_size, ", ", o.allgather_bucket_size, ")");
+  TORCH_CHECK(o.stage3_param_persistence_threshold >= 0,
+              "[deepspeed] stage3_param_persistence_threshold must be >= 0, got ",
+              o.stage3_param_persistence_threshold);
+}
+
+// Parameters of a module tree, each tensor once (tied weights under their first name).
+std::vector<std::pair<std::string, at::Tensor>> unique_params(torch::nn::Module& module) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (const auto& item : module.named_parameters(/*recurse=*/true)) {
+    if (!item.value().defined()) continue;
+    if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;
+    out.emplace_back(item.key(), item.value());
+  }
+  return out;
+}
+
+}  // namespace
+
+DeepSpeedStrategy::DeepSpeedStrategy(DeepSpeedOptions options)
+    : options_(std::move(options)), impl_(std::make_unique<Impl>()) {
+  // Config source order, as Lightning: the argument, then PL_DEEPSPEED_CONFIG_PATH. A config
+  // replaces the defaults (and the preset's stage).
+  std::string config = options_.config;
+  if (config.empty()) {
+    if (const char* env = std::getenv("PL_DEEPSPEED_CONFIG_PATH"); env && *env) config = env;
+  }
+  if (!config.empty()) options_ = parse_deepspeed_config(config, &training_);
+  check_options(options_);
+}
+
+DeepSpeedStrategy::~DeepSpeedStrategy() = default;
+
+void DeepSpeedStrategy::connect(ProcessGroupPtr world, const LaunchInfo& launch) {
+  Strategy::connect(std::move(world), launch);  // stage 3's engine is connected in setup_module
+}
+
+void DeepSpeedStrategy::setup_module(LightningModule& module) {
+  TORCH_CHECK(!impl_->module, "[deepspeed] setup_module called twice; one strategy drives one model");
+  if (!world_) connect(world_group(), launch_);
+  TORCH_CHECK(world_, "[deepspeed] no process group: call connect(world, launch) (the Trainer "
+              "does) or fsdp::init_process_group() first");
+  impl_->module = &module;
+  auto params = unique_params(module);
+
+  // Offload: on a CPU device the state already lives in host memory. See docs/design.md
+  // "ZeRO stages" (offload).
+  if (options_.offload_optimizer || options_.offload_parameters) {
+    bool all_cpu = true;
+    for (const auto& [name, p] : params) all_cpu = all_cpu && p.device().is_cpu();
+    TORCH_CHECK(all_cpu, "[deepspeed] offload from an accelerator to host memory is not "
+                "implemented yet (parameters are on ", params.front().second.device(), ")");
+    if (rank() == 0) {
+      std::fprintf(stderr, "[deepspeed] %s%s%s: the compute device is the CPU, so this state "
+                   "already lives in host memory and the step already runs there; nothing is "
+                   "moved\n",
+                   options_.offload_optimizer ? "offload_optimizer" : "",
+                   options_.offload_optimizer && options_.offload_parameters ? " + " : "",
+                   options_.offload_parameters ? "offload_parameters" : "");
+    }
+  }
+
+  detail::ZeroPartitioner::Options zo;
+  zo.reduce_bucket_numel = static_cast<int64_t>(options_.reduce_bucket_size);
+  zo.allgather_bucket_numel = static_cast<int64_t>(options_.allgather_bucket_size);
+  // Stage 2 without overlap_comm still reduces during backward (to keep only the partition),
+  // but synchronously per bucket is what overlap_comm=false would mean in DeepSpeed; the
+  // in-flight limit of one bucket makes the difference small, so both run the same schedule.
+  zo.reduction = options_.stage == 1 ? detail::GradReduction::kAtBoundary
+                                     : detail::GradReduction::kDuringBackward;
+
+  if (options_.stage < 3) {
+    // Every rank starts from rank 0's values, as DeepSpeed's engine broadcasts the model.
+    if (world_->size() > 1) {
+      at::NoGradGuard no_grad;
+      for (auto& [name, p] : params) world_->broadcast(p.detach(), 0);
+      for (auto& b : module.buffers(true)) {
+        if (b.defined() && b.numel() > 0) world_->broadcast(b.detach(), 0);
+      }
+    }
+    std::vector<std::pair<std::string, at::Tensor>> trainable;
+    for (auto& np : params) {
+      if (np.second.requires_grad()) trainable.push_back(np);
+    }
+    impl_->zero = std::make_unique<detail::ZeroPartitioner>(world_, std::move(trainable), zo);
+    return;
+  }
+
+  // Stage 3: persistent parameters stay whole; every module with parameters is a unit.
+  FSDPOptions fo;
+  fo.sharding_strategy = ShardingStrategy::kFullShard;
+  fo.deferred_init = false;
+  fo.sync_module_states = true;
+  fo.forward_prefetch = true;
+  fo.backward_prefetch = BackwardPrefetch::kPre;
+  fo.auto_wrap_policy =
+      AutoWrapPolicy::of_predicate([](const torch::nn::Module&, int64_t n) { return n > 0; });
+  std::vector<std::pair<std::string, at::Tensor>> persistent_trainable;
+  for (auto& np : params) {
+    if (np.second.numel() <= options_.stage3_param_persistence_threshold) {
+      impl_->persistent.push_back(np);
+      fo.ignored_params.push_back(np.second);
+      if (np.second.requires_grad()) persistent_trainable.push_back(np);
+    }
+  }
+  if (world_->size() > 1) {  // the FSDP engine broadcasts the parameters it shards
+    at::NoGradGuard no_grad;
+    for (auto& [name, p] : impl_->persistent) world_->broadcast(p.detach(), 0);
+  }
+  auto fsdp = std::make_shared<FSDPStrategy>(fo);
+  fsdp->set_name(name_);
+  fsdp->connect(world_, launch_);
+  impl_->fsdp = fsdp;
+  fsdp->setup_module(module);
+  if (!persistent_trainable.empty()) {
+    impl_->zero =
+        std::make_unique<detail::ZeroPartitioner>(world_, std::move(persistent_trainable), zo);
+  }
+}
+
+void DeepSpeedStrategy::configure_trainer(TrainerOptions& o) const {
+  const DeepSpeedTrainingConfig& t = training_;
+  if (t.precision) {
+    TORCH_CHECK(o.precision == "32-true" || o.precision == "32" || o.precision == *t.precision,
+                "[deepspeed] the DeepSpeed config enables bf16 (precision '", *t.precision,
+                "') but the Trainer's precision is '", o.precision, "'; set one of them only");
+    o.precision = *t.precision;
+  }
+  if (t.gradient_clipping) {
+    TORCH_CHECK(o.gradient_clip_val == 0 || o.gradient_clip_val == *t.gradient_clipping,
+                "[deepspeed] the DeepSpeed config's gradient_clipping is ", *t.gradient_clipping,
+                " but the Trainer's gradient_clip_val is ", o.gradient_clip_val,
+                "; set one of them only");
+    o.gradient_clip_val = *t.gradient_clipping;
+  }
+  if (t.gradient_accumulation_steps) {
+    TORCH_CHECK(o.accumulate_grad_batches == 1 ||
+                    o.accumulate_grad_batches == *t.gradient_accumulation_steps,
+                "[deepspeed] the DeepSpeed config's gradient_accumulation_steps is ",
+                *t.gradient_accumulation_steps, " but the Trainer's accumulate_grad_batches is ",
+                o.accumulate_grad_batches, "; set one of them only");
+    o.accumulate_grad_batches = *t.gradient_accumulation_steps;
+  }
+}
+
+void DeepSpeedStrategy::configure_optimizers(LightningModule& module, OptimizerConfig& config) {
+  const DeepSpeedTrainingConfig& t = training_;
+  if (t.optimizer_type.empty()) {
+    TORCH_CHECK(t.scheduler_type.empty() || !config.optimizer || !config.scheduler,
+                "[deepspeed] the DeepSpeed config has a scheduler and configure_optimizers "
+                "returned one too; keep one of them");
+    if (!t.scheduler_type.empty() && config.optimizer) {
+      config.scheduler = std::make_shared<detail::WarmupLR>(
+          *config.optimizer, t.warmup_min_lr, t.warmup_max_lr, t.warmup_num_steps, t.warmup_type,
+          t.scheduler_type == "WarmupDecayLR" ? t.total_num_steps : 0);
+    }
+    return;
+  }
+  if (rank() == 0 && config.optimizer) {
+    std::fprintf(stderr, "[deepspeed] the DeepSpeed config defines the optimizer (%s): it "
+                 "replaces the one configure_optimizers returned\n", t.optimizer_type.c_str());
+  }
+  std::vector<at::Tensor> params;
+  for (auto& p : module.parameters(true)) {
+    if (p.requires_grad()) params.push_back(p);
+  }
+  if (t.adam_w_mode) {
+    config.optimizer = std::make_shared<torch::optim::AdamW>(
+        params, torch::optim::AdamWOptions(t.lr)
+                    .betas({t.beta1, t.beta2})
+                    .eps(t.eps)
+                    .weight_decay(t.weight_decay));
+  } else {
+    config.optimizer = std::make_shared<torch::optim::Adam>(
+        params, torch::optim::AdamOptions(t.lr)
+                    .betas({t.beta1, t.beta2})
+                    .eps(t.eps)
+                    .weight_decay(t.weight_decay));
+  }
+  config.scheduler = nullptr;
+  if (!t.scheduler_type.empty()) {
+    config.scheduler = std::make_shared<detail::WarmupLR>(
+        *config.optimizer, t.warmup_min_lr, t.warmup_max_lr, t.warmup_num_steps, t.warmup_type,
+        t.scheduler_type == "WarmupDecayLR" ? t.total_num_steps : 0);
+  }
+}
+
+void DeepSpeedStrategy::setup_optimizer(torch::optim::Optimizer& optimizer) {
+  if (impl_->zero) impl_->zero->partition_optimizer(optimizer);
+}
+
+void DeepSpeedStrategy::pre_forward(LightningModule& module, bool sync) {
+  if (impl_->fsdp) impl_->fsdp->pre_forward(module, sync);
+  if (impl_->zero) impl_->zero->prepare_forward(sync);
+}
+
+void DeepSpeedStrategy::backward(const at::Tensor& loss) {
+  if (impl_->fsdp) {
+    impl_->fsdp->backward(loss);
+  } else {
+    loss.backward();
+  }
+}
+
+void DeepSpeedStrategy::post_backward(LightningModule& module, bool sync) {
+  if (impl_->fsdp) impl_->fsdp->post_backward(module, sync);
+  if (impl_->zero) impl_->zero->finish_backward(sync);
+}
+
+void DeepSpeedStrategy::post_eval_step(LightningModule& module) {
+  if (impl_->fsdp) impl_->fsdp->post_eval_step(module);
+}
+
+double DeepSpeedStrategy::clip_grad_norm(LightningModule& module, double max_norm) {
+  TORCH_CHECK(impl_->module, "[deepspeed] clip_grad_norm before setup_module");
+  // Every gradient a rank holds is a disjoint part of the model's: the partitions' (stages 1/2,
+  // persistent parameters), the FSDP shards' (stage 3; padding rows are zero). The global norm
+  // is the square root of their sums of squares summed over the world.
+  std::vector<at::Tensor> grads;
+  if (impl_->zero) grads = impl_->zero->partition_grads();
+  if (impl_->fsdp) {
+    std::unordered_set<const c10::TensorImpl*> persistent;
+    for (auto& [n, p] : impl_->persistent) persistent.insert(p.unsafeGetTensorImpl());
+    for (auto& p : module.parameters(true)) {
+      if (!persistent.count(p.unsafeGetTensorImpl()) && p.grad().defined()) {
+        grads.push_back(p.grad());
+      }
+    }
+  }
+  return clip_grad_norm_of_parts(grads, *world_, max_norm);
+}
+
+void DeepSpeedStrategy::optimizer_step(torch::optim::Optimizer& optimizer) {
+  optimizer.step();
+  if (impl_->zero) impl_->zero->all_gather_params();
+}
+
+void DeepSpeedStrategy::zero_grad(torch::optim::Optimizer& optimizer) {
+  if (impl_->fsdp) {
+    impl_->fsdp->zero_grad(optimizer);
+  } else {
+    for (auto& group : optimizer.param_groups()) {
+      for (auto& p : group.params()) {
+        if (p.grad().defined()) p.mutable_grad() = at::Tensor();
+      }
+    }
+  }
+  if (impl_->zero) impl_->zero->zero_grad();
+}
+
+std::pair<int64_t, int64_t> DeepSpeedStrategy::parameter_counts(torch::nn::Module& module) {
+  if (!impl_->fsdp) return Strategy::parameter_counts(module);
+  auto counts = impl_->fsdp->parameter_counts(module);
+  for (auto& [n, p] : impl_->persistent) {
+    counts.first += p.numel();
+    if (p.requires_grad()) counts.second += p.numel();
+  }
+  return counts;
+}
+
+LocalShards DeepSpeedStrategy::local_shards() {
+  TORCH_CHECK(impl_->module, "[deepspeed] local_shards before setup_module");
+  LocalShards out;
+  if (impl_->fsdp) {
+    out = impl_->fsdp->local_shards();
+  } else {
+    out.shard_group = world_;
+    out.replica_rank = 0;  // the world is one copy of the (partitioned) optimizer state
+  }
+  if (impl_->zero) {
+    if (!out.shard_group) out.shard_group = impl_->zero->group();
+    for (const auto& p : impl_->zero->params()) {
+      std::vector<int64_t> full = p.param.sizes().vec();
+      out.params.push_back(LocalShard{p.partition, full, p.shard_rows, p.rows, p.param});
+    }
+  }
+  return out;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> DeepSpeedStrategy::gather_full_params() {
+  TORCH_CHECK(impl_->module, "[deepspeed] gather_full_params before setup_module");
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  if (impl_->fsdp) {
+    out = impl_->fsdp->gather_full_params();
+    for (auto& [n, p] : impl_->persistent) out.emplace_back(n, p.detach().clone());
+    return out;
+  }
+  for (auto& [n, p] : unique_params(*impl_->module)) out.emplace_back(n, p.detach().clone());
+  return out;
+}
+
+int64_t DeepSpeedStrategy::persistent_numel() const {
+  int64_t n = 0;
+  for (auto& [name, p] : impl_->persistent) n += p.numel();
+  return n;
+}
+
+int64_t DeepSpeedStrategy::num_grad_buckets() const {
+  return impl_->zero ? impl_->zero->num_grad_buckets() : 0;
+}
+
+}  // namespace fsdp
