@@ -124,9 +124,12 @@ class DDPStrategy : public Strategy {
   void optimizer_step(torch::optim::Optimizer& optimizer) override;
 
   // Communication-hook state and the model averager's step, per rank, in checkpoints:
-  // DIR/ddp_comm_state-<rank>-of-<world>.safetensors. See docs/ddp_comm_hooks.md.
-  void save_extra_state(const std::string& dir) override;
-  void load_extra_state(const std::string& dir) override;
+  // DIR/ddp_comm_state-<rank>-of-<world>.safetensors; with post-local SGD also this rank's
+  // parameters and optimizer state (its replica). See docs/ddp_comm_hooks.md "Checkpoints".
+  void save_extra_state(const std::string& dir, torch::nn::Module& module,
+                        torch::optim::Optimizer* optimizer) override;
+  void load_extra_state(const std::string& dir, torch::nn::Module& module,
+                        torch::optim::Optimizer* optimizer) override;
   // The world group's bytes plus those of the comm hook state's own groups (post-local SGD's
   // subgroup).
   int64_t comm_bytes() const override;
