@@ -333,6 +333,43 @@ TEST(DDP, StaticGraphRebuildsBucketsInGradientReadyOrder) {
   });
 }
 
+// static_graph with find_unused_parameters (PyTorch: dynamic_graph_find_unused() is false with
+// static_graph): the "used" mask (4 bytes per parameter tensor) is all-reduced in the first
+// iteration only; after it every step sends exactly the gradients. A parameter never used stays
+// without a gradient throughout.
+TEST(DDP, StaticGraphWithFindUnusedSendsTheUsedMaskOnlyInTheFirstStep) {
+  fsdp::testing::run_ranks(3, "gloo", [](ProcessGroup& pg) {
+    fsdp::DDPOptions opts;
+    opts.static_graph = true;
+    opts.find_unused_parameters = true;
+    torch::manual_seed(0);
+    Chain model(/*with_never=*/true);
+    auto ddp = make_ddp(pg, opts);
+    ddp->setup(model);
+    const int64_t tensors = static_cast<int64_t>(model.parameters().size());
+    const int64_t grad_bytes = flat_params(model).numel() * 4;
+    torch::optim::SGD opt(model.parameters(), 0.1);
+    torch::manual_seed(30 + pg.rank());
+    for (int step = 0; step < 3; ++step) {
+      pg.reset_counters();
+      ddp->prepare_forward(true);
+      chain_loss(model, torch::randn({4, 8})).backward();
+      ddp->finish_backward(true);
+      opt.step();
+      ddp->zero_grad(opt);
+      const auto c = pg.counters();
+      if (step == 0) {  // gradients + the used mask (fp32 per tensor); the order broadcast
+        EXPECT_EQ(c.all_reduce_bytes, grad_bytes + tensors * 4);
+        EXPECT_EQ(c.broadcast_bytes, tensors * 8);
+      } else {
+        EXPECT_EQ(c.all_reduce_bytes, grad_bytes) << "step " << step;
+        EXPECT_EQ(c.broadcast_bytes, 0) << "step " << step;
+      }
+      EXPECT_FALSE(model.never->weight.grad().defined()) << "step " << step;
+    }
+  });
+}
+
 TEST(DDP, StaticGraphReportsAParameterThatStopsGettingGradients) {
   fsdp::testing::run_ranks(2, "gloo", [](ProcessGroup& pg) {
     fsdp::DDPOptions opts;

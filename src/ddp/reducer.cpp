@@ -35,7 +35,9 @@ std::string c10_what(const std::exception& e) {
 //     late parameter, so launches start as early as backward allows;
 //   - the unused parameters are known: they are marked ready (zero slot) when a synchronized
 //     micro-batch starts, so their buckets need not wait for the end of backward, and no "used"
-//     mask is all-reduced any more (find_unused_parameters=true pays that every step);
+//     mask is all-reduced any more, also with find_unused_parameters=true (as PyTorch's reducer:
+//     its dynamic_graph_find_unused() is find_unused_parameters && !static_graph; without
+//     static_graph, find_unused_parameters=true pays the mask every step);
 //   - deviations are errors that say so: a parameter that got a gradient in iteration 1 and none
 //     now, or the reverse.
 
@@ -348,7 +350,10 @@ void Reducer::finalize_backward() {
     if (!params_[i].ready) missing.push_back(static_cast<int>(i));
   }
   const bool first_static = options_.static_graph && !static_recorded_;
-  const bool allow_unused = options_.find_unused_parameters || first_static;
+  // See Note [DDP static graph]: after its first iteration, static_graph knows the unused
+  // parameters, so find_unused_parameters no longer searches for them (nor sends the mask).
+  const bool dynamic_find_unused = options_.find_unused_parameters && !options_.static_graph;
+  const bool allow_unused = dynamic_find_unused || first_static;
   if (!missing.empty() && !allow_unused) {
     // Leave the group consistent: buckets already launched complete on every rank that has
     // the same unused parameters.
@@ -378,7 +383,7 @@ void Reducer::finalize_backward() {
   for (int i : missing) mark_ready(i);
   launch_ready_buckets();
   TORCH_INTERNAL_ASSERT(next_to_launch_ == static_cast<int>(buckets_.size()));
-  if (options_.find_unused_parameters || first_static) {
+  if (allow_unused) {
     // See Note [DDP unused parameters]: after every bucket, on every rank.
     auto used = used_local_.accessor<float, 1>();
     for (size_t i = 0; i < params_.size(); ++i) used[i] = params_[i].used ? 1.f : 0.f;
