@@ -15,8 +15,11 @@
 //            ratio to allreduce; the loss after all steps.
 // Both systems start from fsdp-train's initial weights (--save-initial-weights; the peer loads
 // them with --weights) and train on fsdp-train's batches (--save-batches), so their losses are
-// comparable step by step. Prints JSON on stdout and a markdown table on stderr.
+// comparable step by step. Prints JSON on stdout and a markdown table on stderr. A run that fails
+// stays in the table as its error (PyTorch 2.13's batched_powerSGD_hook does, at its first
+// compressing step).
 #include "bench.h"
+#include "../apps/cli.h"
 #include "runs.h"
 
 #include "fsdp/models.h"
@@ -199,37 +202,37 @@ int run_ddp_hooks(const std::vector<std::string>& args) {
   CLI::App app{"fsdp-bench ddp-hooks: DDP comm hooks, fsdp.cpp vs PyTorch DDP: bytes/step, it/s, "
                "loss (JSON + table)"};
   app.add_option("--model", run.model, "transformer-tiny | transformer-small")
-      ->check(CLI::IsMember({"transformer-tiny", "transformer-small"}))
+      ->check(fsdp::cli::one_of({"transformer-tiny", "transformer-small"}))
       ->capture_default_str();
   app.add_option("--vocab-size", run.vocab_size, "synthetic vocabulary (0: the preset's)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(fsdp::cli::at_least(int64_t{0}))
       ->capture_default_str();
   app.add_option("--worlds", worlds_arg, "comma list of world sizes (ranks, Gloo on loopback)")
       ->capture_default_str();
-  app.add_option("--steps", o.steps, "timed optimizer steps")->check(CLI::PositiveNumber)
+  app.add_option("--steps", o.steps, "timed optimizer steps")->check(fsdp::cli::at_least(int64_t{1}))
       ->capture_default_str();
   app.add_option("--warmup", o.warmup, "untimed optimizer steps first")
-      ->check(CLI::Range(int64_t{1}, int64_t{1000}))
+      ->check(fsdp::cli::between(int64_t{1}, int64_t{1000}))
       ->capture_default_str();
   app.add_option("--hooks", hooks_arg, "comma list of hooks")->capture_default_str();
   app.add_option("--systems", systems_arg, "comma list of fsdp.cpp, pytorch")
       ->capture_default_str();
-  app.add_option("--powersgd-rank", o.powersgd_rank)->check(CLI::PositiveNumber)
+  app.add_option("--powersgd-rank", o.powersgd_rank)->check(fsdp::cli::at_least(int64_t{1}))
       ->capture_default_str();
-  app.add_option("--start-powersgd-iter", o.start_powersgd_iter)->check(CLI::Range(2, 100000))
+  app.add_option("--start-powersgd-iter", o.start_powersgd_iter)->check(fsdp::cli::between(int64_t{2}, int64_t{100000}))
       ->capture_default_str();
-  app.add_option("--start-local-sgd-iter", o.start_local_sgd_iter)->check(CLI::NonNegativeNumber)
+  app.add_option("--start-local-sgd-iter", o.start_local_sgd_iter)->check(fsdp::cli::at_least(int64_t{0}))
       ->capture_default_str();
   app.add_option("--model-averaging-period", o.model_averaging_period)
-      ->check(CLI::PositiveNumber)
+      ->check(fsdp::cli::at_least(int64_t{1}))
       ->capture_default_str();
   app.add_option("--subgroup-size", o.subgroup_size, "post_local_sgd: ranks per subgroup")
-      ->check(CLI::PositiveNumber)
+      ->check(fsdp::cli::at_least(1))
       ->capture_default_str();
-  app.add_option("--batch-size", run.batch_size, "per rank")->check(CLI::PositiveNumber)
+  app.add_option("--batch-size", run.batch_size, "per rank")->check(fsdp::cli::at_least(int64_t{1}))
       ->capture_default_str();
-  app.add_option("--block-size", run.block_size)->check(CLI::PositiveNumber)->capture_default_str();
-  app.add_option("--lr", run.lr)->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--block-size", run.block_size)->check(fsdp::cli::at_least(int64_t{1}))->capture_default_str();
+  app.add_option("--lr", run.lr)->check(fsdp::cli::greater_than(0.0))->capture_default_str();
   app.add_option("--seed", run.seed)->capture_default_str();
   app.add_option("--python", o.python, "interpreter with torch 2.x")->capture_default_str();
   app.add_option("--peers-dir", o.peers, "folder of ddp_hooks_peer.py")->capture_default_str();

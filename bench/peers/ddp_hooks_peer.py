@@ -14,8 +14,9 @@ not visible from Python, so "allreduce" registers PyTorch's allreduce_hook, whic
 as equivalent to no hook.
 
 PyTorch 2.13's batched_powerSGD_hook raises AssertionError at its first compressing step (it
-passes 2-D matrices to _orthogonalize, which accepts only batches of 3-D); the run patches
-_orthogonalize to treat a 2-D matrix as a batch of one, and says so in its JSON ("patched").
+passes the bucket's 2-D Q to _orthogonalize, which accepts only batches of 3-D): the run stops
+there and reports the error, with the step and PyTorch's source line, as its JSON "error" (the
+row stays in the benchmark table as that error; nothing is patched).
 post_localSGD_hook with subgroup=None calls dist.new_subgroups(), which needs CUDA to pick a
 size; the subgroups are made here with the given --subgroup-size.
 """
@@ -48,16 +49,18 @@ class ByteCounter:
         dist.all_reduce = counted
 
 
-def patch_batched_powersgd():
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as P
-    original = P._orthogonalize
-
-    def orthogonalize(matrices, epsilon=0):
-        if matrices.dim() == 2:
-            return original(matrices.unsqueeze(0), epsilon)  # a view: orthogonalized in place
-        return original(matrices, epsilon)
-
-    P._orthogonalize = orthogonalize
+def describe_failure(exc, step):
+    """One line: the exception, the step and the innermost PyTorch source line it came from."""
+    import traceback
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "torch" in f.filename]
+    where = ""
+    if frames:
+        f = frames[-1]
+        where = " in %s:%d (%s: `%s`)" % (f.filename.split("site-packages/")[-1], f.lineno,
+                                           f.name, (f.line or "").strip())
+    return "PyTorch %s raised %s%s at step %d%s" % (
+        torch.__version__, type(exc).__name__, (": " + str(exc)) if str(exc) else "", step + 1,
+        where)
 
 
 def register(ddp, args):
@@ -99,9 +102,6 @@ def train(rank, args, port, queue):
     torch.set_num_threads(mirror.threads_per_rank(args))
     mirror.init_process_group(rank, args.world, port)
     counter = ByteCounter()
-    patched = args.hook == "batched_powersgd"
-    if patched:
-        patch_batched_powersgd()
     batches = mirror.Batches(args.batches)
     model = mirror.build_model(args)
     params = sum(p.numel() for p in model.parameters())
@@ -116,7 +116,14 @@ def train(rank, args, port, queue):
         before = counter.bytes
         inputs, target = batches.get(step, rank, args.world)
         loss = F.nll_loss(ddp(inputs, target), target.reshape(-1))
-        loss.backward()
+        try:
+            loss.backward()  # runs the hook
+        except Exception as e:  # every rank fails in the same step (the hook is deterministic)
+            if rank == 0:
+                queue.put({"system": "pytorch-ddp", "hook": args.hook, "wrapper": args.wrapper,
+                           "error": describe_failure(e, step), "losses": clock.losses,
+                           "comm_bytes_per_step": per_step})
+            return
         opt.step()
         if averager is not None:  # Lightning's DDPStrategy.optimizer_step
             averager.average_parameters(
@@ -127,8 +134,7 @@ def train(rank, args, port, queue):
     rss = mirror.gather_rss(args.world)
     if rank == 0:
         queue.put(mirror.report(args, "pytorch-ddp", clock, rss, params, {
-            "hook": args.hook, "wrapper": args.wrapper, "comm_bytes_per_step": per_step,
-            "patched": "_orthogonalize accepts 2-D (PyTorch 2.13 bug)" if patched else None}))
+            "hook": args.hook, "wrapper": args.wrapper, "comm_bytes_per_step": per_step}))
     dist.barrier()
     dist.destroy_process_group()
 
