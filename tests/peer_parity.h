@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdio>
+#include <fstream>
 #include <limits>
 #include <sstream>
 #include <string>
@@ -68,6 +69,35 @@ inline std::vector<double> peer_losses(const std::vector<std::string>& argv,
     losses.push_back(v.is_number() ? v.get<double>() : std::numeric_limits<double>::quiet_NaN());
   }
   return losses;
+}
+
+// In a rank of run_ranks: connects `strategy` to the world group, saves the weights training
+// starts from to DIR/init (a full checkpoint: what the peer loads with --weights), trains
+// `steps` global batches of `rows` rows (train_with) and writes rank 0's losses to
+// DIR/fsdp_losses.json (under mpirun rank 0 is not the test's process: they travel by file).
+inline void train_saving_start(fsdp::Strategy& strategy, fsdp::LightningModule& lm,
+                               fsdp::ProcessGroup& world, const std::string& dir, int steps,
+                               int64_t rows) {
+  fsdp::LaunchInfo launch;
+  launch.rank = world.rank();
+  launch.world_size = world.size();
+  launch.local_world_size = world.size();
+  strategy.connect(fsdp::world_group(), launch);
+  LoopConfig cfg;
+  cfg.steps = steps;
+  cfg.global_batch = rows;
+  cfg.after_setup = [&](fsdp::Strategy& s, fsdp::LightningModule& m) {
+    fsdp::save_checkpoint(dir + "/init", s, m, nullptr, {}, fsdp::StateDictType::kFull);
+  };
+  auto losses = train_with(strategy, lm, cfg);
+  if (world.rank() == 0) std::ofstream(dir + "/fsdp_losses.json") << nlohmann::json(losses).dump();
+}
+
+// The losses train_saving_start wrote (empty when there are none).
+inline std::vector<double> saved_losses(const std::string& dir) {
+  std::ifstream f(dir + "/fsdp_losses.json");
+  if (!f) return {};
+  return nlohmann::json::parse(f).get<std::vector<double>>();
 }
 
 }  // namespace fsdp::testing

@@ -91,23 +91,9 @@ std::vector<double> fsdp_losses(const HookCase& c, int world, const std::string&
     fsdp::DDPOptions o;  // default 25 MB buckets, as PyTorch's DDP in the peer
     fsdp::set_comm_hook(o, c.hook, c.wrapper, powersgd_options());
     fsdp::DDPStrategy strategy(o);
-    fsdp::LaunchInfo launch;
-    launch.rank = pg.rank();
-    launch.world_size = pg.size();
-    launch.local_world_size = pg.size();
-    strategy.connect(fsdp::world_group(), launch);
-    fsdp::testing::LoopConfig cfg;
-    cfg.steps = kSteps;
-    cfg.global_batch = kGlobalBatch;
-    cfg.after_setup = [&](fsdp::Strategy& s, fsdp::LightningModule& m) {
-      fsdp::save_checkpoint(dir + "/init", s, m, nullptr, {}, fsdp::StateDictType::kFull);
-    };
-    auto losses = fsdp::testing::train_with(strategy, lm, cfg);
-    if (pg.rank() == 0) std::ofstream(dir + "/fsdp_losses.json") << json(losses).dump();
+    fsdp::testing::train_saving_start(strategy, lm, pg, dir, kSteps, kGlobalBatch);
   });
-  std::ifstream f(dir + "/fsdp_losses.json");
-  if (!f) return {};
-  return json::parse(f).get<std::vector<double>>();
+  return fsdp::testing::saved_losses(dir);
 }
 
 void check(const HookCase& c, int world, const std::string& backend) {

@@ -92,26 +92,11 @@ void check_parity_with_pytorch(int world_size, const std::string& backend) {
     o.sharding_strategy = fsdp::ShardingStrategy::kFullShard;
     o.auto_wrap_policy = fsdp::AutoWrapPolicy::of_types(fsdp::demos::layer_types("transformer-tiny"));
     fsdp::FSDPStrategy strategy(o);
-    fsdp::LaunchInfo launch;
-    launch.rank = world.rank();
-    launch.world_size = world.size();
-    launch.local_world_size = world.size();
-    strategy.connect(fsdp::world_group(), launch);
-    fsdp::testing::LoopConfig cfg;
-    cfg.steps = kSteps;
-    cfg.global_batch = kGlobalBatch;
-    cfg.after_setup = [&](fsdp::Strategy& s, fsdp::LightningModule& m) {
-      fsdp::save_checkpoint(dir + "/init", s, m, nullptr, {}, fsdp::StateDictType::kFull);
-    };
-    auto losses = fsdp::testing::train_with(strategy, lm, cfg);
-    // Rank 0 is not this process under mpirun: the losses travel through a file.
-    if (world.rank() == 0) std::ofstream(dir + "/fsdp_losses.json") << json(losses).dump();
+    fsdp::testing::train_saving_start(strategy, lm, world, dir, kSteps, kGlobalBatch);
   });
   ASSERT_FALSE(::testing::Test::HasFailure());
-  std::ifstream f(dir + "/fsdp_losses.json");
-  ASSERT_TRUE(f) << "rank 0 wrote no losses to " << dir;
-  const auto ours = json::parse(f).get<std::vector<double>>();
-  ASSERT_EQ(ours.size(), static_cast<size_t>(kSteps));
+  const auto ours = fsdp::testing::saved_losses(dir);
+  ASSERT_EQ(ours.size(), static_cast<size_t>(kSteps)) << "rank 0 wrote no losses to " << dir;
 
   const auto fsdp2 = pytorch_losses("fsdp-full-shard", world_size, dir);
   const auto single = pytorch_losses("single", 1, dir);
