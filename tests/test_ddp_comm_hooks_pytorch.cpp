@@ -11,7 +11,7 @@
 // training, so the check covers the bucket layout, the hook state across steps (PowerSGD's
 // start iteration, error feedback, warm-started Q) and the reducer's use of the result.
 //
-// Tolerance: 1e-4 relative per step (see kRtol).
+// Tolerance: 2e-5 relative per step (see kRtol).
 #include "fsdp/checkpoint.h"
 #include "fsdp/ddp.h"
 #include "fully_shard_common.h"
@@ -38,13 +38,13 @@ constexpr int64_t kGlobalBatch = 12;  // divisible by 2 and 3
 constexpr double kLr = 1e-3;
 constexpr double kEps = 1e-8;  // PyTorch's default; see tests/test_pytorch_parity.cpp kEps
 // Both systems compute the same gradients up to float summation order (~1e-7 relative); the
-// hooks are the same functions of them (AgainstPyTorch: within float rounding for PowerSGD, one
-// fp16 ulp for fp16). test_pytorch_parity holds plain FSDP to 1e-5 on the same model and steps;
-// 1e-4 leaves a factor 10 for the hooks' extra roundings (fp16 casts, the ranks' fp16 sum order,
-// the orthogonalization) and still fails on a real difference (a hook off by one step, a Q drawn
-// differently, a lost error feedback move the later losses by far more). The printed maximum
-// difference is the measured one; this bound is not yet confirmed by a run (see the report).
-constexpr double kRtol = 1e-4;
+// hooks are the same functions of them (AgainstPyTorch). Measured max relative loss difference
+// over the 10 steps (2026-11-23): fp16_compress 1.2e-7 (world 2 Gloo), 3.3e-6 (world 3 MPI: the
+// ranks' fp16 sum in another order than Gloo's); powersgd 2.3e-7 (2) and 1.1e-7 (3);
+// powersgd + fp16 wrapper 4.6e-7. 2e-5 leaves 6x over the largest and still fails on a real
+// difference (a hook off by one step, a Q drawn differently, a lost error feedback move the
+// later losses by far more).
+constexpr double kRtol = 2e-5;
 
 struct HookCase {
   std::string name;     // test name part
