@@ -4,7 +4,8 @@
 //   fsdp-train --model custom --nlayers 4 --ninp 256 --nhead 4 --nhid 1024 --data wikitext2 \
 //              --data-dir ../shared/data/wikitext-2
 //
-// Every flag sets a TrainerOptions / FSDPOptions / ModelCheckpointOptions field, or a model/data
+// Every flag sets a TrainerOptions / FSDPOptions / DDPOptions (and its comm hook's PowerSGDOptions /
+// PostLocalSGDOptions) / ModelCheckpointOptions field, or a model/data
 // choice (`--help` lists them with their defaults). An unknown flag or a bad value prints one
 // line and exits 2; an error during the run prints "[rank R] error: ..." once and exits 1 (all
 // ranks stop).
@@ -32,6 +33,49 @@
 
 namespace {
 
+// Bytes this rank passed to collectives in each optimizer step, as counted by the process groups
+// the strategy communicates on (Strategy::comm_bytes: DDP's gradient buckets and its comm hook's
+// subgroups, the model averager, the Trainer's loss all-reduce). For --summary-json.
+class CommBytesRecorder : public fsdp::Callback {
+ public:
+  void on_fit_start(fsdp::Trainer& t, fsdp::LightningModule&) override {
+    last_ = t.strategy()->comm_bytes();
+    last_step_ = t.global_step();
+  }
+  void on_train_batch_end(fsdp::Trainer& t, fsdp::LightningModule&, int64_t) override {
+    if (t.global_step() == last_step_) return;  // inside an accumulation window
+    const int64_t n = t.strategy()->comm_bytes();
+    per_step_.push_back(n - last_);
+    last_ = n;
+    last_step_ = t.global_step();
+  }
+  const std::vector<int64_t>& per_step() const { return per_step_; }
+
+ private:
+  int64_t last_ = 0;
+  int64_t last_step_ = 0;
+  std::vector<int64_t> per_step_;
+};
+
+// --save-initial-weights FILE: the parameters training starts from (after DDP's broadcast from
+// rank 0), FQN keys, safetensors, so that a Python peer can start from the same weights
+// (bench/peers/ddp_hooks_peer.py --weights).
+class InitialWeightsWriter : public fsdp::Callback {
+ public:
+  explicit InitialWeightsWriter(std::string path) : path_(std::move(path)) {}
+  void on_fit_start(fsdp::Trainer& t, fsdp::LightningModule& module) override {
+    if (!t.is_global_zero()) return;
+    std::vector<std::pair<std::string, at::Tensor>> tensors;
+    for (const auto& item : module.named_parameters(/*recurse=*/true)) {
+      tensors.emplace_back(item.key(), item.value().detach());
+    }
+    fsdp::save_safetensors(path_, tensors);
+  }
+
+ private:
+  std::string path_;
+};
+
 // The command line. Flags bind straight to the options they set: the library's TrainerOptions,
 // FSDPOptions (with --strategy fsdp*) and ModelCheckpointOptions (with --checkpoint-dir); the
 // rest are this program's own choices (model, data, optimizer, output).
@@ -39,6 +83,14 @@ struct Args {
   fsdp::TrainerOptions trainer;
   fsdp::FSDPOptions fsdp;
   fsdp::ModelCheckpointOptions checkpoint;
+  // DDP (--strategy ddp, or auto with more than one rank): DDPOptions, and its comm hook by name
+  // with the options of the built-in states (include/fsdp/comm_hooks.h).
+  fsdp::DDPOptions ddp;
+  std::string ddp_comm_hook = "none";
+  std::string ddp_comm_wrapper = "none";
+  fsdp::PowerSGDOptions powersgd;
+  fsdp::PostLocalSGDOptions post_local_sgd;
+  std::vector<CLI::Option*> ddp_flags;  // given with another strategy: an error
   std::string strategy = "auto";       // a registry name; fsdp* names get `fsdp` above
   std::string wrap_policy = "layers";  // FSDPOptions::auto_wrap_policy, from the model's layers
   bool activation_checkpointing = false;  // any strategy: the model's layer types
@@ -62,6 +114,7 @@ struct Args {
   std::string summary_json;
   bool dry_run = false;  // print the parameter count and memory per strategy; allocate nothing
   std::string save_batches;  // write the run's micro-batches (every rank's) here and exit
+  std::string save_initial_weights;  // rank 0 writes the weights training starts from here
   std::string ckpt_path;
   std::string deepspeed_config;  // DeepSpeedOptions::config (strategy deepspeed*)
 
@@ -73,6 +126,7 @@ struct Args {
     checkpoint.every_n_epochs = 0;  // 0: not given (see run())
   }
   int world() const { return trainer.devices * trainer.num_nodes; }
+  bool is_ddp() const { return strategy == "ddp" || (strategy == "auto" && world() > 1); }
 };
 
 // What the model is made of; built on every rank from the same flags and seed.
@@ -466,6 +520,11 @@ int run(const Args& a, const ModelSpec& spec_in) {
         a.wrap_policy, fsdp::demos::layer_types(a.model == "custom" ? "transformer-tiny" : a.model));
     t.strategy = fsdp::make_fsdp_strategy(a.strategy, o);
   }
+  if (a.is_ddp()) {  // DDP flags; see include/fsdp/ddp.h and comm_hooks.h
+    fsdp::DDPOptions o = a.ddp;
+    fsdp::set_comm_hook(o, a.ddp_comm_hook, a.ddp_comm_wrapper, a.powersgd, a.post_local_sgd);
+    t.strategy = std::make_shared<fsdp::DDPStrategy>(o);
+  }
   if (a.strategy.rfind("deepspeed", 0) == 0 || !a.deepspeed_config.empty()) {
     // DeepSpeed ZeRO; see include/fsdp/deepspeed.h. --deepspeed-config with --strategy auto
     // means "deepspeed", as Lightning's PL_DEEPSPEED_CONFIG_PATH with strategy="deepspeed".
@@ -476,6 +535,15 @@ int run(const Args& a, const ModelSpec& spec_in) {
     fsdp::DeepSpeedOptions o;
     o.config = a.deepspeed_config;
     t.strategy = fsdp::make_deepspeed_strategy(name, o);
+  }
+  auto comm_bytes = std::make_shared<CommBytesRecorder>();
+  t.callbacks.push_back(comm_bytes);
+  if (!a.save_initial_weights.empty()) {
+    TORCH_CHECK(a.strategy.rfind("fsdp", 0) != 0 && a.strategy.rfind("deepspeed", 0) != 0 &&
+                    a.deepspeed_config.empty(),
+                "[fsdp-train] --save-initial-weights needs whole parameters on rank 0 (strategy "
+                "single or ddp); --strategy ", a.strategy, " shards them");
+    t.callbacks.push_back(std::make_shared<InitialWeightsWriter>(a.save_initial_weights));
   }
   const fsdp::ModelCheckpointOptions& c = a.checkpoint;
   TORCH_CHECK(!c.dirpath.empty() || (c.every_n_train_steps == 0 && c.every_n_epochs == 0 &&
@@ -595,6 +663,9 @@ int run(const Args& a, const ModelSpec& spec_in) {
     j["final_loss"] = r.losses.empty() ? nlohmann::json(nullptr) : nlohmann::json(r.losses.back());
     j["metrics"] = r.metrics;
     j["log_dir"] = r.log_dir;
+    j["comm_bytes_per_step"] = comm_bytes->per_step();
+    j["comm_bytes_note"] = "bytes rank 0 passed to collectives in each optimizer step, counted by "
+                           "the process groups (gradients, model averaging, the loss all-reduce)";
     std::ofstream f(a.summary_json);
     TORCH_CHECK(f, "[fsdp-train] cannot write --summary-json '", a.summary_json, "'");
     f << j.dump(2) << "\n";
@@ -655,6 +726,72 @@ int main(int argc, char** argv) {
                "memory, about 1/3 more compute");
   app.add_option("--hybrid-shard-size", f.hybrid_shard_size, "fsdp hybrid: ranks per shard group (0: one node)")
       ->check(at_least(0));
+  // DDP
+  fsdp::DDPOptions& d = a.ddp;
+  fsdp::PowerSGDOptions& ps = a.powersgd;
+  fsdp::PostLocalSGDOptions& pl = a.post_local_sgd;
+  const std::vector<std::string> hooks = [] {
+    auto v = fsdp::comm_hook_names();
+    v.insert(v.begin(), "none");
+    return v;
+  }();
+  const std::vector<std::string> wrappers = [] {
+    auto v = fsdp::comm_wrapper_names();
+    v.insert(v.begin(), "none");
+    return v;
+  }();
+  a.ddp_flags = {
+      app.add_option("--bucket-cap-mb", d.bucket_cap_mb, "ddp: gradient bucket size in MB")
+          ->check(greater_than(0.0)),
+      app.add_flag("--find-unused-parameters", d.find_unused_parameters,
+                   "ddp: allow trainable parameters without a gradient"),
+      app.add_flag("--static-graph", d.static_graph,
+                   "ddp: the same parameters every step; buckets rebuilt in gradient order"),
+      app.add_flag("--gradient-as-bucket-view", d.gradient_as_bucket_view,
+                   "ddp: .grad are views into the buckets (one gradient copy less)"),
+      app.add_option("--ddp-comm-hook", a.ddp_comm_hook,
+                     "ddp: how gradient buckets are communicated: none (all-reduce) | "
+                     "allreduce | fp16_compress | bf16_compress | powersgd | batched_powersgd | "
+                     "post_local_sgd")
+          ->check(one_of(hooks)),
+      app.add_option("--ddp-comm-wrapper", a.ddp_comm_wrapper,
+                     "ddp: cast what the hook sends: none | fp16 | bf16")
+          ->check(one_of(wrappers)),
+      app.add_option("--powersgd-rank", ps.matrix_approximation_rank,
+                     "powersgd: matrix_approximation_rank")
+          ->check(at_least(int64_t{1})),
+      app.add_option("--start-powersgd-iter", ps.start_powersgd_iter,
+                     "powersgd: plain all-reduce for this many steps first (> 1 with error "
+                     "feedback or warm start)")
+          ->check(at_least(int64_t{0})),
+      app.add_option("--min-compression-rate", ps.min_compression_rate,
+                     "powersgd: compress a matrix only when it shrinks by more than this")
+          ->check(at_least(0.0)),
+      app.add_flag_callback("--no-error-feedback", [&ps] { ps.use_error_feedback = false; },
+                            "powersgd: use_error_feedback off"),
+      app.add_flag_callback("--no-warm-start", [&ps] { ps.warm_start = false; },
+                            "powersgd: a new random Q every step"),
+      app.add_option("--orthogonalization-epsilon", ps.orthogonalization_epsilon,
+                     "powersgd: added to column norms (e.g. 1e-8 if a gradient can be all zero)")
+          ->check(at_least(0.0)),
+      app.add_option("--powersgd-seed", ps.random_seed, "powersgd: random_seed of Q"),
+      app.add_flag("--batch-tensors-with-same-shape", ps.batch_tensors_with_same_shape,
+                   "powersgd: compress same-shaped matrices in one batched matmul"),
+      app.add_option("--start-local-sgd-iter", pl.start_local_sgd_iter,
+                     "post_local_sgd: global all-reduce for this many steps, then local "
+                     "(required with post_local_sgd)")
+          ->check(at_least(int64_t{0})),
+      app.add_option("--post-local-sgd-subgroup-size", pl.subgroup_size,
+                     "post_local_sgd: ranks that still average gradients together (0: one node)")
+          ->check(at_least(0)),
+      app.add_flag_callback("--no-post-local-gradient-allreduce",
+                            [&pl] { pl.post_local_gradient_allreduce = false; },
+                            "post_local_sgd: no gradient communication at all after the start"),
+      app.add_option("--model-averaging-period", d.model_averaging_period,
+                     "post_local_sgd: average the parameters every N steps after the start "
+                     "(required with post_local_sgd)")
+          ->check(at_least(int64_t{0})),
+  };
   app.add_option("--precision", t.precision,
                  "32-true (fp32); bf16-mixed (FSDP: fp32 master shards, bf16 all-gather/compute/"
                  "reduce-scatter; other strategies: CPU autocast); bf16-true (bf16 everything); "
@@ -720,6 +857,9 @@ int main(int argc, char** argv) {
   app.add_flag("--dry-run", a.dry_run,
                "print the parameter count and per-rank memory of every strategy at --devices, "
                "without allocating the model (meta device), and exit");
+  app.add_option("--save-initial-weights", a.save_initial_weights,
+                 "rank 0 writes the parameters training starts from to FILE (safetensors, FQN "
+                 "keys; strategy single or ddp), e.g. for a Python peer's --weights");
   app.add_option("--save-batches", a.save_batches,
                  "write the micro-batches of the first --max-steps steps, every rank's, to this "
                  "safetensors file (for bench/peers/*.py) and exit without training");
@@ -795,6 +935,27 @@ int main(int argc, char** argv) {
     spec.custom.nhid = a.nhid;
     spec.custom.ninp = a.ninp;
     spec.custom.nhead = a.nhead;
+  }
+  for (auto* o : a.ddp_flags) {
+    if (o->count() > 0 && !a.is_ddp()) {
+      std::cerr << "fsdp-train: error: " << o->get_name() << " applies to --strategy ddp (got "
+                << "--strategy " << a.strategy << " with " << a.world() << " rank(s))"
+                << std::endl;
+      return 2;
+    }
+  }
+  if (a.ddp_comm_hook == "post_local_sgd" &&
+      (pl.start_local_sgd_iter < 0 || d.model_averaging_period == 0)) {
+    std::cerr << "fsdp-train: error: --ddp-comm-hook post_local_sgd needs --start-local-sgd-iter "
+                 "N (global all-reduce for the first N steps; PyTorch has no default) and "
+                 "--model-averaging-period P (average the parameters every P steps after that)"
+              << std::endl;
+    return 2;
+  }
+  if (a.ddp_comm_hook != "post_local_sgd" && d.model_averaging_period > 0) {
+    std::cerr << "fsdp-train: error: --model-averaging-period applies to --ddp-comm-hook "
+                 "post_local_sgd (got --ddp-comm-hook " << a.ddp_comm_hook << ")" << std::endl;
+    return 2;
   }
   if (t.max_steps < 0 && t.max_epochs < 0 && a.data == "synthetic" && a.num_tokens == 0) {
     // Lightning would run 1000 epochs; say so rather than surprise.

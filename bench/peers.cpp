@@ -50,6 +50,7 @@
 namespace {
 
 namespace fs = std::filesystem;
+using fsdp::bench::fixed;
 using nlohmann::json;
 
 struct Options {
@@ -88,14 +89,6 @@ const std::vector<Config>& all_configs() {
       {"zero3", "ZeRO-3", "deepspeed_stage_3", "", "deepspeed-stage-3", "32-true"},
   };
   return configs;
-}
-
-std::string load_average() {
-  std::string text = fsdp::bench::read_text("/proc/loadavg");
-  std::istringstream in(text);
-  std::string a, b, c;
-  in >> a >> b >> c;
-  return a + " " + b + " " + c;
 }
 
 double max_of(const json& values) {
@@ -138,12 +131,6 @@ json run_one(const Options& o, const Config& c, const std::string& system) {
   }
   r["config"] = c.label;
   return r;
-}
-
-std::string fixed(double v, int digits) {
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), "%.*f", digits, v);
-  return buf;
 }
 
 std::string markdown_table(const json& out) {
@@ -222,15 +209,7 @@ int run_peers(const std::vector<std::string>& args) {
       ->capture_default_str();
   if (auto status = fsdp::bench::parse_args(app, "peers", args)) return *status;
 
-  auto split = [](const std::string& s) {
-    std::vector<std::string> v;
-    std::stringstream in(s);
-    for (std::string item; std::getline(in, item, ',');) {
-      if (!item.empty()) v.push_back(item);
-    }
-    return v;
-  };
-  o.systems = split(systems_arg);
+  o.systems = fsdp::bench::split_list(systems_arg);
   for (const auto& s : o.systems) {
     if (s != "pytorch" && s != "fsdp.cpp" && s != "lightning" && s != "deepspeed") {
       std::cerr << "fsdp-bench peers: error: unknown system '" << s
@@ -239,7 +218,7 @@ int run_peers(const std::vector<std::string>& args) {
     }
   }
   std::vector<Config> configs;
-  for (const auto& name : split(configs_arg)) {
+  for (const auto& name : fsdp::bench::split_list(configs_arg)) {
     auto it = std::find_if(all_configs().begin(), all_configs().end(),
                            [&](const Config& c) { return c.name == name; });
     if (it == all_configs().end()) {
@@ -275,7 +254,7 @@ int run_peers(const std::vector<std::string>& args) {
                    {"data", "synthetic, the batches of fsdp-train --save-batches"},
                    {"cores", cores},
                    {"threads_per_rank", std::max(1u, cores / static_cast<unsigned>(run.devices))}};
-  out["load_average_start"] = load_average();
+  out["load_average_start"] = fsdp::bench::load_average();
 
   // The batches every system trains on: fsdp-train's own, written once.
   out["batches"] = fsdp::bench::write_batches(o.fsdp_train, run);
@@ -328,17 +307,8 @@ int run_peers(const std::vector<std::string>& args) {
   out["goal3_fsdp_cpp_over_pytorch"] = goal3;
   out["baseline"] = base ? json("pytorch-ddp") : json(nullptr);
   out["runs"] = runs;
-  out["load_average_end"] = load_average();
   out["work_dir"] = run.dir.string();
-  out["markdown"] = markdown_table(out);
-  std::cout << out.dump(2) << std::endl;
-  std::cerr << out["markdown"].get<std::string>();
-  if (!o.markdown.empty()) std::ofstream(o.markdown) << out["markdown"].get<std::string>();
-  // Exit status: fsdp.cpp's own runs must work; a peer's failure is data (in the table).
-  for (const auto& r : runs) {
-    if (r["system"] == "fsdp.cpp" && r.contains("error")) return 1;
-  }
-  return 0;
+  return fsdp::bench::print_report(out, o.markdown, markdown_table);
 }
 
 fsdp::bench::Registrar reg("peers",

@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <iostream>
 #include <sstream>
 #include <thread>
 
@@ -171,6 +172,7 @@ nlohmann::json run_fsdp_train(const std::string& fsdp_train, const TrainRun& run
                           "sys_seconds_per_step"}) {
     if (s.contains(key)) r[key] = s[key];
   }
+  if (s.contains("comm_bytes_per_step")) r["comm_bytes_per_step"] = s["comm_bytes_per_step"];
   r["peak_rss_mb"] = rss;
   r["threads_per_rank"] = std::max(1u, std::thread::hardware_concurrency() / run.devices);
   return r;
@@ -205,6 +207,41 @@ nlohmann::json run_peer(const std::string& python, const std::string& script,
     r["error"] = what + " printed no JSON: " + tail(read_text(err));
   }
   return r;
+}
+
+std::string load_average() {
+  std::istringstream in(read_text("/proc/loadavg"));
+  std::string a, b, c;
+  in >> a >> b >> c;
+  return a + " " + b + " " + c;
+}
+
+std::string fixed(double v, int digits) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.*f", digits, v);
+  return buf;
+}
+
+std::vector<std::string> split_list(const std::string& comma_list) {
+  std::vector<std::string> v;
+  std::stringstream in(comma_list);
+  for (std::string item; std::getline(in, item, ',');) {
+    if (!item.empty()) v.push_back(item);
+  }
+  return v;
+}
+
+int print_report(nlohmann::json& out, const std::string& markdown_file,
+                 const std::function<std::string(const nlohmann::json&)>& markdown_table) {
+  out["load_average_end"] = load_average();
+  out["markdown"] = markdown_table(out);
+  std::cout << out.dump(2) << std::endl;
+  std::cerr << out["markdown"].get<std::string>();
+  if (!markdown_file.empty()) std::ofstream(markdown_file) << out["markdown"].get<std::string>();
+  for (const auto& r : out["runs"]) {
+    if (r["system"] == "fsdp.cpp" && r.contains("error")) return 1;
+  }
+  return 0;
 }
 
 nlohmann::json it_per_s(const std::vector<double>& step_end_seconds, int warmup) {

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include <filesystem>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -60,6 +61,20 @@ nlohmann::json run_fsdp_train(const std::string& fsdp_train, const TrainRun& run
 nlohmann::json run_peer(const std::string& python, const std::string& script,
                         const TrainRun& run, const std::vector<std::string>& flags,
                         const std::string& name);
+
+// "/proc/loadavg"'s three load averages ("6.73 7.20 7.11"), for reports.
+std::string load_average();
+// v with `digits` decimals.
+std::string fixed(double v, int digits);
+// "a,b,,c" -> {"a", "b", "c"}.
+std::vector<std::string> split_list(const std::string& comma_list);
+
+// Ends a benchmark's report: sets out["load_average_end"] and out["markdown"] =
+// markdown_table(out), prints the JSON on stdout and the table on stderr (and into
+// markdown_file when not empty). Returns the exit status: 1 when one of fsdp.cpp's own runs
+// (out["runs"], system "fsdp.cpp") failed, else 0; a peer's failure is data, in the table.
+int print_report(nlohmann::json& out, const std::string& markdown_file,
+                 const std::function<std::string(const nlohmann::json&)>& markdown_table);
 
 // Optimizer steps per second after `warmup` steps, from the end times of every step (seconds
 // on one clock): (n - warmup) / (end[n-1] - end[warmup-1]). Every system of a benchmark is

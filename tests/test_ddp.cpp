@@ -7,6 +7,7 @@
 #include "fsdp/ddp.h"
 #include "fsdp/memory.h"
 #include "fsdp/models.h"
+#include "ddp_test_util.h"
 #include "testing.h"
 
 #include <torch/torch.h>
@@ -20,17 +21,9 @@ namespace {
 using fsdp::ProcessGroup;
 using fsdp::ProcessGroupPtr;
 
-// The strategy keeps a shared_ptr to its group; run_ranks owns the world group.
-ProcessGroupPtr borrow(ProcessGroup& pg) { return ProcessGroupPtr(&pg, [](ProcessGroup*) {}); }
-
-std::shared_ptr<fsdp::DDPStrategy> make_ddp(ProcessGroup& pg, fsdp::DDPOptions options = {}) {
-  auto ddp = std::make_shared<fsdp::DDPStrategy>(options);
-  fsdp::LaunchInfo info;
-  info.rank = pg.rank();
-  info.world_size = pg.size();
-  ddp->connect(borrow(pg), info);
-  return ddp;
-}
+using fsdp::testing::flat_params;
+using fsdp::testing::make_ddp;
+using fsdp::testing::max_diff_from_rank0;
 
 // Three 8x8 layers. `reversed` applies them in the reverse of registration order (l3 first),
 // so gradients become ready in registration order: the opposite of DDP's default bucket guess.
@@ -55,21 +48,6 @@ struct Chain : torch::nn::Module {
 };
 
 at::Tensor chain_loss(Chain& m, const at::Tensor& x) { return m.forward(x).pow(2).mean(); }
-
-// All parameters flattened into one vector (registration order).
-at::Tensor flat_params(torch::nn::Module& m) {
-  std::vector<at::Tensor> parts;
-  for (const auto& p : m.parameters()) parts.push_back(p.detach().reshape(-1));
-  return at::cat(parts);
-}
-
-// Max |a_r - a_0| over ranks r, computed on every rank.
-double max_diff_from_rank0(ProcessGroup& pg, const at::Tensor& local) {
-  at::Tensor all = at::empty({pg.size() * local.numel()}, local.options());
-  pg.all_gather_into_tensor(all, local.contiguous());
-  all = all.view({pg.size(), local.numel()});
-  return (all - all[0]).abs().max().item<double>();
-}
 
 // ---------------------------------------------------------------------------------------------
 
@@ -352,6 +330,43 @@ TEST(DDP, StaticGraphRebuildsBucketsInGradientReadyOrder) {
     EXPECT_GT(held_static[0], 0) << "first iteration uses the default layout";
     EXPECT_EQ(held_static[1], 0);
     EXPECT_EQ(held_static[2], 0);
+  });
+}
+
+// static_graph with find_unused_parameters (PyTorch: dynamic_graph_find_unused() is false with
+// static_graph): the "used" mask (4 bytes per parameter tensor) is all-reduced in the first
+// iteration only; after it every step sends exactly the gradients. A parameter never used stays
+// without a gradient throughout.
+TEST(DDP, StaticGraphWithFindUnusedSendsTheUsedMaskOnlyInTheFirstStep) {
+  fsdp::testing::run_ranks(3, "gloo", [](ProcessGroup& pg) {
+    fsdp::DDPOptions opts;
+    opts.static_graph = true;
+    opts.find_unused_parameters = true;
+    torch::manual_seed(0);
+    Chain model(/*with_never=*/true);
+    auto ddp = make_ddp(pg, opts);
+    ddp->setup(model);
+    const int64_t tensors = static_cast<int64_t>(model.parameters().size());
+    const int64_t grad_bytes = flat_params(model).numel() * 4;
+    torch::optim::SGD opt(model.parameters(), 0.1);
+    torch::manual_seed(30 + pg.rank());
+    for (int step = 0; step < 3; ++step) {
+      pg.reset_counters();
+      ddp->prepare_forward(true);
+      chain_loss(model, torch::randn({4, 8})).backward();
+      ddp->finish_backward(true);
+      opt.step();
+      ddp->zero_grad(opt);
+      const auto c = pg.counters();
+      if (step == 0) {  // gradients + the used mask (fp32 per tensor); the order broadcast
+        EXPECT_EQ(c.all_reduce_bytes, grad_bytes + tensors * 4);
+        EXPECT_EQ(c.broadcast_bytes, tensors * 8);
+      } else {
+        EXPECT_EQ(c.all_reduce_bytes, grad_bytes) << "step " << step;
+        EXPECT_EQ(c.broadcast_bytes, 0) << "step " << step;
+      }
+      EXPECT_FALSE(model.never->weight.grad().defined()) << "step " << step;
+    }
   });
 }
 

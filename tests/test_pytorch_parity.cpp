@@ -14,6 +14,7 @@
 #include "ckpt/safetensors.h"
 #include "fsdp/checkpoint.h"
 #include "fully_shard_common.h"
+#include "peer_parity.h"
 #include "testing.h"
 
 #include <gtest/gtest.h>
@@ -32,6 +33,9 @@ namespace fs = std::filesystem;
 using json = nlohmann::json;
 
 namespace {
+
+using fsdp::testing::num;
+using fsdp::testing::str;
 
 // Adam's eps: PyTorch's and libtorch's default (1e-8), not TinyLM's 1e-3. The attention key
 // bias has an exactly-zero true gradient (softmax is shift invariant) whose ~1e-9 rounding noise
@@ -52,31 +56,6 @@ std::string peer_script() {
   return (fs::path(FSDP_SOURCE_DIR) / "bench" / "peers" / "torch_peer.py").string();
 }
 
-std::string num(double v) {  // std::to_string(1e-8) is "0.000000"
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%.12g", v);
-  return buf;
-}
-
-std::string str(const std::vector<double>& v) {
-  std::ostringstream out;
-  out.precision(9);
-  for (size_t i = 0; i < v.size(); ++i) out << (i ? ", " : "[") << v[i];
-  return out.str() + "]";
-}
-
-// The batches train_with feeds (fully_shard_common.h global_batch): rank r of a world-W run
-// takes rows [r*B, (r+1)*B) of each, which is the batch file's layout (mirror.py).
-void write_batches(const std::string& path) {
-  std::vector<at::Tensor> inputs, targets;
-  for (int step = 0; step < kSteps; ++step) {
-    fsdp::Batch b = fsdp::testing::global_batch(step, kGlobalBatch);
-    inputs.push_back(b.input);
-    targets.push_back(b.target);
-  }
-  fsdp::save_safetensors(path, {{"input", at::stack(inputs)}, {"target", at::stack(targets)}});
-}
-
 // Runs torch_peer.py; returns its per-step losses (empty, with a failure, when it fails).
 std::vector<double> pytorch_losses(const std::string& strategy, int world,
                                    const std::string& dir) {
@@ -89,23 +68,7 @@ std::vector<double> pytorch_losses(const std::string& strategy, int world,
       "--nhead", std::to_string(dims.nhead), "--nhid", std::to_string(dims.nhid),
       "--nlayers", std::to_string(dims.nlayers), "--dropout", "0", "--optimizer", "adam",
       "--lr", num(kLr), "--eps", num(kEps)};
-  auto r = fsdp::testing::run_process(argv, {}, 300);
-  EXPECT_EQ(r.exit_code, 0) << "torch_peer.py --strategy " << strategy << " failed:\n"
-                            << r.out << r.err;
-  json last;
-  std::istringstream lines(r.out);
-  for (std::string line; std::getline(lines, line);) {
-    if (!line.empty() && line[0] == '{') last = json::parse(line, nullptr, /*allow_exceptions=*/false);
-  }
-  if (!last.contains("losses")) {
-    ADD_FAILURE() << "torch_peer.py printed no losses:\n" << r.out << r.err;
-    return {};
-  }
-  std::vector<double> losses;  // a non-finite loss arrives as null
-  for (const auto& v : last["losses"]) {
-    losses.push_back(v.is_number() ? v.get<double>() : std::numeric_limits<double>::quiet_NaN());
-  }
-  return losses;
+  return fsdp::testing::peer_losses(argv, "torch_peer.py --strategy " + strategy);
 }
 
 }  // namespace
@@ -119,7 +82,7 @@ void check_parity_with_pytorch(int world_size, const std::string& backend) {
   if (!fsdp::testing::in_child_rank()) {
     fs::remove_all(dir);
     fs::create_directories(dir);
-    write_batches(dir + "/batches.safetensors");
+    fsdp::testing::write_batches(dir + "/batches.safetensors", kSteps, kGlobalBatch);
   }
   fsdp::testing::run_ranks(world_size, backend, [&](fsdp::ProcessGroup& world) {
     fsdp::testing::TinyLM lm;
@@ -129,26 +92,11 @@ void check_parity_with_pytorch(int world_size, const std::string& backend) {
     o.sharding_strategy = fsdp::ShardingStrategy::kFullShard;
     o.auto_wrap_policy = fsdp::AutoWrapPolicy::of_types(fsdp::demos::layer_types("transformer-tiny"));
     fsdp::FSDPStrategy strategy(o);
-    fsdp::LaunchInfo launch;
-    launch.rank = world.rank();
-    launch.world_size = world.size();
-    launch.local_world_size = world.size();
-    strategy.connect(fsdp::world_group(), launch);
-    fsdp::testing::LoopConfig cfg;
-    cfg.steps = kSteps;
-    cfg.global_batch = kGlobalBatch;
-    cfg.after_setup = [&](fsdp::Strategy& s, fsdp::LightningModule& m) {
-      fsdp::save_checkpoint(dir + "/init", s, m, nullptr, {}, fsdp::StateDictType::kFull);
-    };
-    auto losses = fsdp::testing::train_with(strategy, lm, cfg);
-    // Rank 0 is not this process under mpirun: the losses travel through a file.
-    if (world.rank() == 0) std::ofstream(dir + "/fsdp_losses.json") << json(losses).dump();
+    fsdp::testing::train_saving_start(strategy, lm, world, dir, kSteps, kGlobalBatch);
   });
   ASSERT_FALSE(::testing::Test::HasFailure());
-  std::ifstream f(dir + "/fsdp_losses.json");
-  ASSERT_TRUE(f) << "rank 0 wrote no losses to " << dir;
-  const auto ours = json::parse(f).get<std::vector<double>>();
-  ASSERT_EQ(ours.size(), static_cast<size_t>(kSteps));
+  const auto ours = fsdp::testing::saved_losses(dir);
+  ASSERT_EQ(ours.size(), static_cast<size_t>(kSteps)) << "rank 0 wrote no losses to " << dir;
 
   const auto fsdp2 = pytorch_losses("fsdp-full-shard", world_size, dir);
   const auto single = pytorch_losses("single", 1, dir);

@@ -21,13 +21,16 @@ block [r*B, (r+1)*B) of micro-batch i is rank r's batch i, so every system reads
 samples in the same order, and one process reading whole rows sees the same global batch.
 """
 import argparse
+import json
 import math
 import os
+import queue
 import socket
 import time
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file
@@ -166,6 +169,18 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run_ranks_and_print(train, args):
+    """Runs train(rank, args, port, queue) on args.world processes (in this one for world 1) and
+    prints what rank 0 put on the queue as one JSON line."""
+    if args.world == 1:
+        results = queue.Queue()
+        train(0, args, 0, results)
+    else:
+        results = mp.get_context("spawn").Queue()
+        mp.spawn(train, args=(args, free_port(), results), nprocs=args.world, join=True)
+    print(json.dumps(results.get(timeout=60)), flush=True)
 
 
 def gather_rss(world):

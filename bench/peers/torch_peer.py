@@ -14,14 +14,12 @@ Gloo, one process per rank on loopback, on the batches of a batch file. Prints o
 Every step: forward, nll_loss, backward, optimizer.step(), zero_grad(set_to_none=True), then the
 loss averaged over ranks (mirror.StepClock), as fsdp.cpp's Trainer does.
 """
-import json
 import os
 import sys
 import warnings
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -77,14 +75,7 @@ def train(rank, args, port, queue):
 def main():
     args = mirror.parser(__doc__.splitlines()[0]).parse_args()
     mirror.check_args(args, mirror.Batches(args.batches))
-    if args.world == 1:
-        import queue as q
-        results = q.Queue()
-        train(0, args, 0, results)
-    else:
-        results = mp.get_context("spawn").Queue()
-        mp.spawn(train, args=(args, mirror.free_port(), results), nprocs=args.world, join=True)
-    print(json.dumps(results.get(timeout=60)), flush=True)
+    mirror.run_ranks_and_print(train, args)
     return 0
 
 

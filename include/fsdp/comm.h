@@ -42,6 +42,11 @@ struct CommCounters {
   int64_t all_to_all_bytes = 0;
   int64_t calls = 0;
 };
+// Every op's bytes together.
+inline int64_t total_bytes(const CommCounters& c) {
+  return c.all_gather_bytes + c.reduce_scatter_bytes + c.all_reduce_bytes + c.broadcast_bytes +
+         c.all_to_all_bytes;
+}
 
 class ProcessGroup {
  public:

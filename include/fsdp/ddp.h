@@ -20,6 +20,7 @@
 // World size 1 runs the same code (the collectives are no-ops of the group).
 #pragma once
 
+#include "fsdp/comm_hooks.h"
 #include "fsdp/strategy.h"
 
 #include <cstdint>
@@ -50,7 +51,30 @@ struct DDPOptions {
   // Broadcast module buffers (e.g. running statistics) from rank 0 before every synchronized
   // forward, as PyTorch DDP does. Parameters are broadcast once, at setup.
   bool broadcast_buffers = true;
+
+  // --- Communication hooks (fsdp/comm_hooks.h), as Lightning's DDPStrategy(ddp_comm_hook,
+  // ddp_comm_state, ddp_comm_wrapper, model_averaging_period).
+  // How each bucket is communicated; empty: allreduce_hook (divide, all-reduce sum).
+  CommHook comm_hook;
+  // Passed to every hook call; empty: a CommHookState on the world group. Keep a pointer to
+  // read it (PowerSGDState::iter(), compression_rate()). Its state is saved in checkpoints.
+  std::shared_ptr<CommHookState> comm_state;
+  // Applied to comm_hook (or to allreduce_hook when comm_hook is empty), e.g.
+  // fp16_compress_wrapper. (Lightning ignores a wrapper without a hook.)
+  CommHookWrapper comm_wrapper;
+  // Post-local SGD: after every optimizer step a PeriodicModelAverager(period,
+  // warmup = start_local_sgd_iter, world group) averages the parameters. Needs comm_state to be
+  // a PostLocalSGDState, which in turn needs it (as Lightning). 0: off.
+  int64_t model_averaging_period = 0;
 };
+
+// Sets options.comm_hook / comm_state / comm_wrapper to a built-in by name (the fsdp-train
+// flags): hook one of comm_hook_names() ("" or "none": no hook), wrapper one of
+// comm_wrapper_names() or "". powersgd applies to "powersgd" and "batched_powersgd",
+// post_local_sgd to "post_local_sgd". An unknown name is an error that lists the valid ones.
+void set_comm_hook(DDPOptions& options, const std::string& hook, const std::string& wrapper = "",
+                   const PowerSGDOptions& powersgd = {},
+                   const PostLocalSGDOptions& post_local_sgd = {});
 
 // Per-rank bytes DDP needs for a model: parameters, gradients, bucket buffers (none with
 // gradient_as_bucket_view) and Adam-like optimizer state (2 fp32 values per trainable element).
@@ -96,6 +120,24 @@ class DDPStrategy : public Strategy {
   void finish_backward(bool sync);
   double clip_grad_norm(double max_norm);
   void zero_grad();
+  // optimizer.step(), then model averaging when model_averaging_period is set (post-local SGD).
+  void optimizer_step(torch::optim::Optimizer& optimizer) override;
+
+  // Communication-hook state and the model averager's step, per rank, in checkpoints:
+  // DIR/ddp_comm_state-<rank>-of-<world>.safetensors; with post-local SGD also this rank's
+  // parameters and optimizer state (its replica). See docs/ddp_comm_hooks.md "Checkpoints".
+  void save_extra_state(const std::string& dir, torch::nn::Module& module,
+                        torch::optim::Optimizer* optimizer) override;
+  void load_extra_state(const std::string& dir, torch::nn::Module& module,
+                        torch::optim::Optimizer* optimizer) override;
+  // The world group's bytes plus those of the comm hook state's own groups (post-local SGD's
+  // subgroup).
+  int64_t comm_bytes() const override;
+
+  // The state every hook call gets (options().comm_state, or the default one made at setup).
+  const std::shared_ptr<CommHookState>& comm_state() const { return comm_state_; }
+  // Non-null with model_averaging_period.
+  PeriodicModelAverager* model_averager() const { return averager_.get(); }
 
   // --- introspection (tests, benchmarks).
   struct BucketInfo {
@@ -119,6 +161,8 @@ class DDPStrategy : public Strategy {
   std::unique_ptr<Reducer> reducer_;
   torch::nn::Module* module_ = nullptr;
   std::vector<at::Tensor> buffers_;  // module buffers, broadcast before synchronized forwards
+  std::shared_ptr<CommHookState> comm_state_;
+  std::unique_ptr<PeriodicModelAverager> averager_;
 };
 
 }  // namespace fsdp

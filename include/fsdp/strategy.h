@@ -129,9 +129,24 @@ class Strategy {
   virtual void optimizer_step(torch::optim::Optimizer& optimizer) { optimizer.step(); }
   virtual void zero_grad(torch::optim::Optimizer& optimizer) { optimizer.zero_grad(); }
 
+  // State a strategy keeps across steps besides what the checkpoint's model and optimizer files
+  // hold (DDP: its communication-hook state; with post-local SGD also this rank's own replica of
+  // the parameters and optimizer state, which differ between ranks), per rank. save_checkpoint
+  // calls save_extra_state on every rank with the directory it is writing (before it is
+  // published); load_checkpoint calls load_extra_state with the checkpoint's directory after it
+  // has loaded the model and the optimizer (optimizer may be null in both).
+  virtual void save_extra_state(const std::string& dir, torch::nn::Module& module,
+                                torch::optim::Optimizer* optimizer) {}
+  virtual void load_extra_state(const std::string& dir, torch::nn::Module& module,
+                                torch::optim::Optimizer* optimizer) {}
+
   // Reduces a metric over the world (for log(..., sync_dist) and the global mean loss).
   virtual at::Tensor reduce(const at::Tensor& value, ReduceOp op);
   virtual void barrier();
+  // Bytes this rank has passed to collectives so far, summed over the process groups the
+  // strategy communicates on (CommCounters, input bytes per rank): the world group, plus DDP's
+  // comm-hook subgroups. Benchmarks difference it per step.
+  virtual int64_t comm_bytes() const;
 
   // After setup_module: (all, trainable) parameter elements of the model at their full shapes
   // (default: module.parameters() as they are; FSDP counts its full parameters, not shards).

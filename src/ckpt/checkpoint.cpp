@@ -23,6 +23,8 @@ namespace fsdp {
 
 namespace fs = std::filesystem;
 using ckpt::json;
+using ckpt::optimizer_stats;
+using ckpt::state_key;
 
 StateDictType parse_state_dict_type(const std::string& name) {
   if (name == "full") return StateDictType::kFull;
@@ -38,6 +40,37 @@ const char* to_string(StateDictType type) {
   }
   return "?";
 }
+
+namespace ckpt {
+
+// libtorch 2.x keys optimizer state by the parameter's TensorImpl pointer.
+void* state_key(const at::Tensor& p) {
+  return p.unsafeGetTensorImpl();
+}
+
+std::vector<std::pair<std::string, at::Tensor>> optimizer_stats(torch::optim::Optimizer& opt,
+                                                                const at::Tensor& p,
+                                                                int64_t* step) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  auto it = opt.state().find(state_key(p));
+  if (it == opt.state().end()) return out;
+  auto* base = it->second.get();
+  if (auto* s = dynamic_cast<torch::optim::AdamWParamState*>(base)) {
+    *step = s->step();
+    out = {{"exp_avg", s->exp_avg()}, {"exp_avg_sq", s->exp_avg_sq()}};
+    if (s->max_exp_avg_sq().defined()) out.emplace_back("max_exp_avg_sq", s->max_exp_avg_sq());
+  } else if (auto* s = dynamic_cast<torch::optim::AdamParamState*>(base)) {
+    *step = s->step();
+    out = {{"exp_avg", s->exp_avg()}, {"exp_avg_sq", s->exp_avg_sq()}};
+    if (s->max_exp_avg_sq().defined()) out.emplace_back("max_exp_avg_sq", s->max_exp_avg_sq());
+  } else if (auto* s = dynamic_cast<torch::optim::SGDParamState*>(base)) {
+    *step = 0;
+    if (s->momentum_buffer().defined()) out = {{"momentum_buffer", s->momentum_buffer()}};
+  }
+  return out;
+}
+
+}  // namespace ckpt
 
 namespace {
 
@@ -104,11 +137,6 @@ LocalTensor optimizer_layout(const Layout& L, const LocalTensor& param,
   return t;
 }
 
-// libtorch 2.x keys optimizer state by the parameter's TensorImpl pointer.
-void* state_key(const at::Tensor& p) {
-  return p.unsafeGetTensorImpl();
-}
-
 std::string optimizer_kind(torch::optim::Optimizer& opt) {
   // fsdp::optim::CPUAdam keeps libtorch's AdamW / Adam state: its checkpoints are theirs.
   if (auto* cpu = dynamic_cast<fsdp::optim::CPUAdam*>(&opt)) return cpu->adamw_mode() ? "adamw" : "adam";
@@ -117,29 +145,6 @@ std::string optimizer_kind(torch::optim::Optimizer& opt) {
   if (dynamic_cast<torch::optim::SGD*>(&opt)) return "sgd";
   TORCH_CHECK(false, "[checkpoint] optimizer state of this optimizer type is not supported yet "
               "(supported: Adam, AdamW, SGD, fsdp::optim::CPUAdam); save weights only (optimizer = nullptr)");
-}
-
-// (stat name, tensor) of one parameter's optimizer state; empty when it has none yet.
-std::vector<std::pair<std::string, at::Tensor>> optimizer_stats(torch::optim::Optimizer& opt,
-                                                                const at::Tensor& p,
-                                                                int64_t* step) {
-  std::vector<std::pair<std::string, at::Tensor>> out;
-  auto it = opt.state().find(state_key(p));
-  if (it == opt.state().end()) return out;
-  auto* base = it->second.get();
-  if (auto* s = dynamic_cast<torch::optim::AdamWParamState*>(base)) {
-    *step = s->step();
-    out = {{"exp_avg", s->exp_avg()}, {"exp_avg_sq", s->exp_avg_sq()}};
-    if (s->max_exp_avg_sq().defined()) out.emplace_back("max_exp_avg_sq", s->max_exp_avg_sq());
-  } else if (auto* s = dynamic_cast<torch::optim::AdamParamState*>(base)) {
-    *step = s->step();
-    out = {{"exp_avg", s->exp_avg()}, {"exp_avg_sq", s->exp_avg_sq()}};
-    if (s->max_exp_avg_sq().defined()) out.emplace_back("max_exp_avg_sq", s->max_exp_avg_sq());
-  } else if (auto* s = dynamic_cast<torch::optim::SGDParamState*>(base)) {
-    *step = 0;
-    if (s->momentum_buffer().defined()) out = {{"momentum_buffer", s->momentum_buffer()}};
-  }
-  return out;
 }
 
 Layout build_layout(Strategy* strategy, torch::nn::Module& module,
@@ -448,6 +453,7 @@ void save_checkpoint(const std::string& dir, Strategy& strategy, torch::nn::Modu
                 progress.global_step);
     if (rank == 0) meta["tensors"] = sharded_tensor_table(L);
   }
+  strategy.save_extra_state(partial.string(), module, optimizer);  // e.g. DDP's comm hook state, per rank
   strategy.barrier();
 
   if (rank == 0) {
@@ -566,6 +572,7 @@ TrainingProgress load_checkpoint(const std::string& dir, Strategy& strategy,
     auto& groups = optimizer->param_groups();
     for (size_t i = 0; i < groups.size(); ++i) groups[i].options().set_lr(info.lrs[i]);
   }
+  strategy.load_extra_state(dir, module, optimizer);
   // See Note [Per-rank RNG state].
   const int rank = strategy.rank();
   try {

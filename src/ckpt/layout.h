@@ -21,6 +21,7 @@
 #include "fsdp/comm.h"
 
 #include <ATen/ATen.h>
+#include <torch/optim/optimizer.h>
 #include <nlohmann/json.hpp>
 
 #include <map>
@@ -75,6 +76,15 @@ class Source {
   std::map<std::string, SourceTensor> tensors_;
   mutable std::map<std::string, std::unique_ptr<SafetensorsReader>> readers_;  // opened lazily
 };
+
+// libtorch 2.x keys optimizer state by the parameter's TensorImpl pointer.
+void* state_key(const at::Tensor& p);
+// (stat name, tensor) of one parameter's optimizer state (exp_avg, exp_avg_sq, max_exp_avg_sq,
+// momentum_buffer: the tensors the optimizer holds, not copies); empty when it has none yet.
+// *step is Adam's step count (0 for SGD).
+std::vector<std::pair<std::string, at::Tensor>> optimizer_stats(torch::optim::Optimizer& opt,
+                                                                const at::Tensor& p,
+                                                                int64_t* step);
 
 // Exits the process (_exit) when FSDP_TEST_CRASH_DURING_SAVE is "<rank>" or "<rank>:<step>"
 // matching this save: used only by the crash-safety test.

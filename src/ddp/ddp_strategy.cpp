@@ -86,9 +86,23 @@ struct DDPStrategy::Reducer : detail::Reducer {
   using detail::Reducer::Reducer;
 };
 
-DDPStrategy::DDPStrategy(DDPOptions options) : options_(options) {
+DDPStrategy::DDPStrategy(DDPOptions options) : options_(std::move(options)) {
   TORCH_CHECK(options_.bucket_cap_mb > 0, "[ddp] bucket_cap_mb must be > 0, got ",
               options_.bucket_cap_mb);
+  TORCH_CHECK(options_.model_averaging_period >= 0, "[ddp] model_averaging_period must be >= 0 "
+              "(0: off), got ", options_.model_averaging_period);
+  const bool post_local =
+      dynamic_cast<PostLocalSGDState*>(options_.comm_state.get()) != nullptr;
+  // Lightning's rules: post-local SGD needs a period; a period means post-local SGD (Lightning
+  // ignores one without it; here it is an error rather than a silent no-op).
+  TORCH_CHECK(!post_local || options_.model_averaging_period > 0, "[ddp] comm_state is a "
+              "PostLocalSGDState but model_averaging_period is not set: post-local SGD averages "
+              "the parameters every model_averaging_period steps (fsdp-train "
+              "--model-averaging-period N)");
+  TORCH_CHECK(options_.model_averaging_period == 0 || post_local, "[ddp] model_averaging_period=",
+              options_.model_averaging_period, " needs comm_state to be a PostLocalSGDState "
+              "(and comm_hook = post_local_sgd_hook): model averaging is the second half of "
+              "post-local SGD");
 }
 
 DDPStrategy::~DDPStrategy() = default;
@@ -134,7 +148,39 @@ void DDPStrategy::setup(torch::nn::Module& module) {
   for (auto& p : params) {
     if (p.tensor.requires_grad()) trainable.push_back(p);
   }
-  reducer_ = std::make_unique<Reducer>(world_, std::move(trainable), options_);
+  // The comm hook: Lightning's _register_ddp_comm_hook order (wrapper around the hook).
+  comm_state_ = options_.comm_state ? options_.comm_state : std::make_shared<CommHookState>();
+  comm_state_->setup(world_, launch_);
+  CommHook hook = options_.comm_hook ? options_.comm_hook : CommHook(allreduce_hook);
+  if (options_.comm_wrapper) hook = options_.comm_wrapper(hook);
+  TORCH_CHECK(hook, "[ddp] comm_wrapper returned an empty hook");
+  if (options_.model_averaging_period > 0) {
+    auto* post_local = dynamic_cast<PostLocalSGDState*>(comm_state_.get());
+    TORCH_INTERNAL_ASSERT(post_local);
+    averager_ = std::make_unique<PeriodicModelAverager>(
+        options_.model_averaging_period, post_local->options().start_local_sgd_iter, world_);
+  }
+  reducer_ = std::make_unique<Reducer>(world_, std::move(trainable), options_, std::move(hook),
+                                       comm_state_);
+}
+
+void DDPStrategy::optimizer_step(torch::optim::Optimizer& optimizer) {
+  optimizer.step();
+  if (!averager_) return;
+  // Lightning's DDPStrategy.optimizer_step: the optimizer's parameters that have a gradient.
+  std::vector<at::Tensor> params;
+  for (auto& group : optimizer.param_groups()) {
+    for (auto& p : group.params()) params.push_back(p);
+  }
+  averager_->average_parameters(params);
+}
+
+int64_t DDPStrategy::comm_bytes() const {
+  int64_t n = Strategy::comm_bytes();
+  if (comm_state_) {
+    for (const auto& g : comm_state_->other_groups()) n += total_bytes(g->counters());
+  }
+  return n;
 }
 
 void DDPStrategy::pre_forward(LightningModule& module, bool sync) { prepare_forward(sync); }
@@ -169,7 +215,8 @@ double DDPStrategy::clip_grad_norm(LightningModule& module, double max_norm) {
 double DDPStrategy::clip_grad_norm(double max_norm) {
   TORCH_CHECK(module_, "[ddp] clip_grad_norm before setup_module");
   // After the all-reduce every rank holds the same averaged gradients, so the local norm is
-  // the global one: no communication.
+  // the global one: no communication. (Post-local SGD after its start leaves different
+  // gradients per subgroup; each rank clips its own, as PyTorch/Lightning DDP does.)
   std::vector<at::Tensor> with_grad;
   for (const auto& p : module_->parameters(true)) {
     if (p.grad().defined()) with_grad.push_back(p);

@@ -9,6 +9,13 @@
 
 namespace fsdp::detail {
 
+namespace {
+std::string c10_what(const std::exception& e) {
+  if (auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
+  return e.what();
+}
+}  // namespace
+
 // Note [DDP bucket launch order]
 // Every rank must issue the same collectives in the same order, but autograd may finish the
 // buckets in a different order on different ranks (or in a different order than they were
@@ -28,7 +35,9 @@ namespace fsdp::detail {
 //     late parameter, so launches start as early as backward allows;
 //   - the unused parameters are known: they are marked ready (zero slot) when a synchronized
 //     micro-batch starts, so their buckets need not wait for the end of backward, and no "used"
-//     mask is all-reduced any more (find_unused_parameters=true pays that every step);
+//     mask is all-reduced any more, also with find_unused_parameters=true (as PyTorch's reducer:
+//     its dynamic_graph_find_unused() is find_unused_parameters && !static_graph; without
+//     static_graph, find_unused_parameters=true pays the mask every step);
 //   - deviations are errors that say so: a parameter that got a gradient in iteration 1 and none
 //     now, or the reverse.
 
@@ -76,9 +85,13 @@ class Reducer::Hook : public torch::autograd::FunctionPostHook {
 };
 
 Reducer::Reducer(ProcessGroupPtr group, std::vector<NamedTensor> params,
-                 const DDPOptions& options)
-    : group_(std::move(group)), options_(options) {
+                 const DDPOptions& options, CommHook hook, std::shared_ptr<CommHookState> state)
+    : group_(std::move(group)),
+      options_(options),
+      hook_(std::move(hook)),
+      hook_state_(std::move(state)) {
   TORCH_INTERNAL_ASSERT(group_, "Reducer needs a process group");
+  TORCH_INTERNAL_ASSERT(hook_ && hook_state_, "Reducer needs a comm hook and its state");
   TORCH_CHECK(options_.bucket_cap_mb > 0, "[ddp] bucket_cap_mb must be > 0, got ",
               options_.bucket_cap_mb);
   params_.reserve(params.size());
@@ -175,7 +188,7 @@ void Reducer::arm(bool sync) {
   for (auto& b : buckets_) {
     b.pending = static_cast<int>(b.params.size());
     b.launched = false;
-    b.work.reset();
+    b.future = CommFuture();
   }
   for (auto& p : params_) p.ready = false;
   next_to_launch_ = 0;
@@ -304,7 +317,28 @@ void Reducer::launch(int index) {
       p.tensor.mutable_grad() = slot;
     }
   }
-  b.work = group_->all_reduce_async(b.buffer, ReduceOp::kAvg);
+  // The comm hook (allreduce_hook unless the user set one) starts the communication. See
+  // Note [Comm hook futures] in src/ddp/comm_future.cpp.
+  std::vector<at::Tensor> tensors;
+  std::vector<int64_t> offsets;
+  std::vector<std::string> names;
+  for (int idx : b.params) {
+    tensors.push_back(params_[idx].tensor);
+    offsets.push_back(params_[idx].offset);
+    names.push_back(params_[idx].name);
+  }
+  GradBucket bucket(index, static_cast<int>(buckets_.size()), b.buffer, std::move(tensors),
+                    std::move(offsets), std::move(names));
+  try {
+    b.future = hook_(*hook_state_, bucket);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "[ddp] rank ", group_->rank(), ": the comm hook failed on gradient bucket ",
+                index, " (", b.numel, " elements, first parameter '",
+                params_[b.params.front()].name, "'): ", c10_what(e));
+  }
+  TORCH_CHECK(b.future.valid(), "[ddp] the comm hook returned an invalid CommFuture for bucket ",
+              index, "; return the future of the reduced buffer (CommFuture::ready(buffer) if "
+              "nothing is communicated)");
   b.launched = true;
   launch_order_.push_back(index);
 }
@@ -316,7 +350,10 @@ void Reducer::finalize_backward() {
     if (!params_[i].ready) missing.push_back(static_cast<int>(i));
   }
   const bool first_static = options_.static_graph && !static_recorded_;
-  const bool allow_unused = options_.find_unused_parameters || first_static;
+  // See Note [DDP static graph]: after its first iteration, static_graph knows the unused
+  // parameters, so find_unused_parameters no longer searches for them (nor sends the mask).
+  const bool dynamic_find_unused = options_.find_unused_parameters && !options_.static_graph;
+  const bool allow_unused = dynamic_find_unused || first_static;
   if (!missing.empty() && !allow_unused) {
     // Leave the group consistent: buckets already launched complete on every rank that has
     // the same unused parameters.
@@ -346,7 +383,7 @@ void Reducer::finalize_backward() {
   for (int i : missing) mark_ready(i);
   launch_ready_buckets();
   TORCH_INTERNAL_ASSERT(next_to_launch_ == static_cast<int>(buckets_.size()));
-  if (options_.find_unused_parameters || first_static) {
+  if (allow_unused) {
     // See Note [DDP unused parameters]: after every bucket, on every rank.
     auto used = used_local_.accessor<float, 1>();
     for (size_t i = 0; i < params_.size(); ++i) used[i] = params_[i].used ? 1.f : 0.f;
@@ -357,12 +394,9 @@ void Reducer::finalize_backward() {
 
 void Reducer::wait_launched() noexcept {
   for (auto& b : buckets_) {
-    if (!b.work) continue;
-    try {
-      b.work->wait();
-    } catch (...) {
-    }
-    b.work.reset();
+    if (!b.future.valid()) continue;
+    b.future.drain();
+    b.future = CommFuture();
   }
   if (used_work_) {
     try {
@@ -390,16 +424,25 @@ void Reducer::finish_backward(bool sync) {
 
   for (size_t k = 0; k < buckets_.size(); ++k) {
     Bucket& b = buckets_[k];
-    TORCH_INTERNAL_ASSERT(b.launched && b.work);
+    TORCH_INTERNAL_ASSERT(b.launched && b.future.valid());
+    at::Tensor result;
     try {
-      b.work->wait();
+      result = b.future.wait();
     } catch (const std::exception& e) {
       state_ = ReducerState::kIdle;
       wait_launched();
-      TORCH_CHECK(false, "[ddp] rank ", group_->rank(), ": all-reduce of gradient bucket ", k,
-                  " (", b.numel, " elements) failed: ", e.what());
+      TORCH_CHECK(false, "[ddp] rank ", group_->rank(), ": reduction of gradient bucket ", k,
+                  " (", b.numel, " elements) failed: ", c10_what(e));
     }
-    b.work.reset();
+    b.future = CommFuture();
+    TORCH_CHECK(result.defined() && result.numel() == b.numel, "[ddp] the comm hook's future for "
+                "gradient bucket ", k, " holds ", result.defined() ? result.numel() : 0,
+                " elements, the bucket has ", b.numel, "; a hook's future must hold the "
+                "reduced flat buffer");
+    // A hook may reduce into another tensor (a compression wrapper's half-precision copy).
+    if (!(result.data_ptr() == b.buffer.data_ptr() && result.scalar_type() == b.dtype)) {
+      b.buffer.copy_(result.reshape({-1}));
+    }
   }
   const bool have_mask = static_cast<bool>(used_work_);
   if (have_mask) {

@@ -23,9 +23,10 @@ namespace fsdp::detail {
 //   kNoSync    a non-boundary micro-batch (no_sync): hooks only record which parameters were
 //              used; gradients accumulate in .grad, nothing is communicated.
 //   kSync      a boundary micro-batch: each hook counts its bucket down; a full bucket is copied
-//              into its flat buffer and, in bucket order, its all-reduce is launched.
-//   kReducing  backward is over and every bucket is launched; finish_backward waits for them
-//              and copies the averages back into .grad.
+//              into its flat buffer and, in bucket order, handed to the comm hook, which
+//              starts its communication and returns a future.
+//   kReducing  backward is over and every bucket is launched; finish_backward waits for the
+//              futures in bucket order and copies the results back into .grad.
 enum class ReducerState { kIdle, kNoSync, kSync, kReducing };
 
 struct NamedTensor {
@@ -36,7 +37,9 @@ struct NamedTensor {
 class Reducer {
  public:
   // params: trainable parameters with their FQNs, in registration order (deduplicated).
-  Reducer(ProcessGroupPtr group, std::vector<NamedTensor> params, const DDPOptions& options);
+  // hook: how a bucket is communicated (already wrapped); state: what it is called with.
+  Reducer(ProcessGroupPtr group, std::vector<NamedTensor> params, const DDPOptions& options,
+          CommHook hook, std::shared_ptr<CommHookState> state);
   ~Reducer();
   Reducer(const Reducer&) = delete;
   Reducer& operator=(const Reducer&) = delete;
@@ -78,7 +81,7 @@ class Reducer {
     at::Tensor buffer;        // (numel) flat; what the all-reduce reads and writes
     int pending = 0;          // parameters of this bucket still without a gradient
     bool launched = false;
-    WorkPtr work;
+    CommFuture future;        // the comm hook's, from launch until finish_backward
   };
   class Hook;
 
@@ -103,6 +106,8 @@ class Reducer {
   std::mutex mutex_;
   ProcessGroupPtr group_;
   DDPOptions options_;
+  CommHook hook_;
+  std::shared_ptr<CommHookState> hook_state_;
   std::vector<Param> params_;
   std::vector<Bucket> buckets_;
   ReducerState state_ = ReducerState::kIdle;

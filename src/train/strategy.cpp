@@ -41,6 +41,8 @@ void Strategy::barrier() {
   if (world_) world_->barrier();
 }
 
+int64_t Strategy::comm_bytes() const { return world_ ? total_bytes(world_->counters()) : 0; }
+
 std::pair<int64_t, int64_t> Strategy::parameter_counts(torch::nn::Module& module) {
   int64_t all = 0, trainable = 0;
   for (const auto& p : module.parameters()) {
