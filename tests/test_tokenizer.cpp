@@ -1,8 +1,9 @@
 // Byte-level BPE tokenizer against the `tokenizers` library: a tokenizer.json trained in the test
-// (tests/hf_reference.py tokenizer) on WikiText-2 train, then every line of WikiText-2 valid
-// (plus text with special tokens inside and a 200-line block) must give identical ids -- for
-// GPT-2's ByteLevel pre-tokenizer and for Llama 3's Split regex with ignore_merges and a BOS
-// template. Also BOS/EOS handling as the recipe's add_bos_token / add_eos_token, and decode.
+// (tests/hf_reference.py tokenizer) on WikiText-2 test (the shared copy has no train split), then
+// every line of WikiText-2 valid (plus text with special tokens inside and a 200-line block)
+// must give identical ids -- for GPT-2's ByteLevel pre-tokenizer and for Llama 3's Split regex
+// with ignore_merges and a BOS template. Also BOS/EOS handling as the recipe's add_bos_token /
+// add_eos_token, and decode.
 #include "fsdp/tokenizer.h"
 #include "hf_testing.h"
 
@@ -30,7 +31,7 @@ Trained train(const std::string& style) {
   if (data.empty()) return t;
   t.dir = hf_scratch("tokenizer_" + style);
   run_hf_reference({"tokenizer", t.dir, "--style", style, "--vocab", "3000", "--train",
-                    data + "/train.txt", "--encode", data + "/valid.txt"});
+                    data + "/test.txt", "--encode", data + "/valid.txt"});
   std::ifstream in(t.dir + "/lines.json");
   std::stringstream ss;
   ss << in.rdbuf();

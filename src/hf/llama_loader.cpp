@@ -122,7 +122,13 @@ std::shared_ptr<LlamaForCausalLM> build(const LlamaConfig& config, const HfLoadO
     }
   }
   if (adapter) {
-    std::vector<std::string> left = adapter->unused();
+    // PEFT (0.21) also saves the base weight of a targeted layer tied to the embeddings
+    // ("...lm_head.base_layer.weight"); that is the base model's tensor, read from the model
+    // folder, not an adapter tensor.
+    std::vector<std::string> left;
+    for (const auto& name : adapter->unused()) {
+      if (name.find(".base_layer.") == std::string::npos) left.push_back(name);
+    }
     TORCH_CHECK(left.empty(), "[load_llama] adapter '", options.adapter_dir, "' holds ", left.size(),
                 " tensor(s) with no LoRA layer in the model, e.g. '", left.empty() ? "" : left.front(),
                 "'");

@@ -10,6 +10,7 @@
 #include <torch/nn/init.h>
 
 #include <cmath>
+#include <functional>
 #include <iostream>
 #include <regex>
 
@@ -273,16 +274,25 @@ std::vector<std::pair<std::string, at::Tensor>> lora_parameters(torch::nn::Modul
   return out;
 }
 
-void merge_lora(torch::nn::Module& root) {
-  for (auto& m : root.modules()) {
-    if (auto* l = dynamic_cast<LoraLinear*>(m.get())) l->merge();
+namespace {
+
+// Every LoraLinear in root's tree, root included. modules() with include_self needs the root in
+// a shared_ptr; a model on the stack (LlamaForCausalLM model(cfg)) is not.
+void for_each_lora(torch::nn::Module& root, const std::function<void(LoraLinear&)>& fn) {
+  if (auto* l = dynamic_cast<LoraLinear*>(&root)) fn(*l);
+  for (auto& m : root.modules(/*include_self=*/false)) {
+    if (auto* l = dynamic_cast<LoraLinear*>(m.get())) fn(*l);
   }
 }
 
+}  // namespace
+
+void merge_lora(torch::nn::Module& root) {
+  for_each_lora(root, [](LoraLinear& l) { l.merge(); });
+}
+
 void unmerge_lora(torch::nn::Module& root) {
-  for (auto& m : root.modules()) {
-    if (auto* l = dynamic_cast<LoraLinear*>(m.get())) l->unmerge();
-  }
+  for_each_lora(root, [](LoraLinear& l) { l.unmerge(); });
 }
 
 void freeze_and_upcast(torch::nn::Module& module) {
