@@ -117,6 +117,12 @@ struct Args {
   std::string save_initial_weights;  // rank 0 writes the weights training starts from here
   std::string ckpt_path;
   std::string deepspeed_config;  // DeepSpeedOptions::config (strategy deepspeed*)
+  // The disk tier (strategy deepspeed*): DeepSpeedOptions offload_optimizer_device, nvme_path,
+  // sub_group_size and the aio block.
+  std::string offload_optimizer_device;  // "" | "cpu" | "nvme"
+  std::string nvme_path;
+  double sub_group_size = 0;  // 0: the strategy's default
+  fsdp::AioOptions aio;
 
   Args() {  // this program's defaults where they differ from the library's
     trainer.max_steps = 100;
@@ -438,6 +444,29 @@ int dry_run(const Args& a, const ModelSpec& spec_in) {
                 fsdp::format_bytes(r.optimizer).c_str(), fsdp::format_bytes(r.extra).c_str(),
                 fsdp::format_bytes(r.total()).c_str());
   }
+  // The disk tier (--offload-optimizer-device nvme): rank 0's ZeRO partition (the largest) of
+  // the Adam moments goes to swap files; the plan is the one DeepSpeedStrategy checks at setup.
+  bool disk_fits = true;
+  if (a.offload_optimizer_device == "nvme") {
+    int64_t part = 0;
+    for (const auto& p : model->parameters()) {
+      if (!p.requires_grad()) continue;
+      const int64_t dim0 = p.dim() >= 2 ? p.size(0) : p.numel();
+      const int64_t row = dim0 == 0 ? 0 : p.numel() / dim0;
+      part += (dim0 + world - 1) / world * row;
+    }
+    const std::string nvme = a.nvme_path.empty() ? fsdp::DeepSpeedOptions{}.nvme_path : a.nvme_path;
+    const double sub = a.sub_group_size > 0 ? a.sub_group_size : fsdp::DeepSpeedOptions{}.sub_group_size;
+    fsdp::DiskPlan plan = fsdp::plan_disk_offload(part, static_cast<int64_t>(sub), nvme);
+    plan.dir = nvme + "/<job>/rank<r>";
+    const int64_t node_disk = plan.disk_bytes * devices;
+    disk_fits = plan.free_bytes < 0 || node_disk <= plan.free_bytes;
+    std::cout << "disk tier (offload_optimizer nvme), per rank: the Adam state column above "
+                 "goes to disk instead of RAM\n"
+              << plan.describe() << "  this node (" << devices << " rank(s)): "
+              << fsdp::format_bytes(node_disk) << " on disk: "
+              << (disk_fits ? "fits" : "does NOT fit; setup would refuse it") << "\n";
+  }
   const int64_t rss = fsdp::peak_rss_bytes();
   std::cout << "model state only (fp32 params, grads, 2 Adam moments; DDP: + bucket buffers; "
                "FSDP: + root unit and the two largest units unsharded); activations not "
@@ -459,7 +488,7 @@ int dry_run(const Args& a, const ModelSpec& spec_in) {
     TORCH_CHECK(f, "[fsdp-train] cannot write --summary-json '", a.summary_json, "'");
     f << j.dump(2) << "\n";
   }
-  return 0;
+  return disk_fits ? 0 : 1;
 }
 
 // --save-batches FILE: the micro-batches this run would train on, every rank's, so that other
@@ -534,6 +563,16 @@ int run(const Args& a, const ModelSpec& spec_in) {
                 a.strategy);
     fsdp::DeepSpeedOptions o;
     o.config = a.deepspeed_config;
+    if (!a.offload_optimizer_device.empty()) {
+      TORCH_CHECK(a.deepspeed_config.empty(), "[fsdp-train] --offload-optimizer-device with "
+                  "--deepspeed-config: set zero_optimization.offload_optimizer in the config "
+                  "instead (a config replaces the strategy's options)");
+      o.offload_optimizer = true;
+      o.offload_optimizer_device = a.offload_optimizer_device;
+    }
+    if (!a.nvme_path.empty()) o.nvme_path = a.nvme_path;
+    if (a.sub_group_size > 0) o.sub_group_size = a.sub_group_size;
+    o.aio = a.aio;
     t.strategy = fsdp::make_deepspeed_strategy(name, o);
   }
   auto comm_bytes = std::make_shared<CommBytesRecorder>();
@@ -888,6 +927,24 @@ int main(int argc, char** argv) {
       "DeepSpeed JSON config for --strategy deepspeed* (auto: deepspeed); replaces the "
       "strategy's defaults; its bf16, gradient_clipping, gradient_accumulation_steps, "
       "train_micro_batch_size_per_gpu, optimizer and scheduler apply to the run");
+  app.add_option("--offload-optimizer-device", a.offload_optimizer_device,
+                 "strategy deepspeed*: offload_optimizer to 'cpu' (where the state already is on "
+                 "this device) or 'nvme' (the disk tier: Adam's moments in swap files under "
+                 "--nvme-path, streamed through the step)")
+      ->check(one_of({"cpu", "nvme"}));
+  app.add_option("--nvme-path", a.nvme_path,
+                 "the disk tier's directory (swap files go to NVME_PATH/<job>/rank<r>/, removed "
+                 "on exit)");
+  app.add_option("--sub-group-size", a.sub_group_size,
+                 "strategy deepspeed*: elements of optimizer state stepped (and, on disk, "
+                 "streamed) at a time");
+  app.add_option("--aio-block-size", a.aio.block_size, "disk tier: bytes per I/O request")
+      ->check(at_least(int64_t{4096}));
+  app.add_option("--aio-queue-depth", a.aio.queue_depth, "disk tier: I/O requests in flight")
+      ->check(at_least(1));
+  app.add_option("--aio-intra-op-parallelism", a.aio.intra_op_parallelism,
+                 "disk tier: I/O rings (threads) a transfer is spread over")
+      ->check(at_least(1));
   auto* o_batch = app.get_option("--batch-size");
   app.add_option("--ckpt-path", a.ckpt_path,
                  "resume from this checkpoint (e.g. DIR/last); --max-steps counts from the start");

@@ -15,6 +15,7 @@ PACKAGES=(
   libgloo-dev                   # the gloo backend calls Gloo directly (docs/design.md, Note [Gloo backend])
   libopenmpi-dev openmpi-bin    # the mpi backend
   libcli11-dev nlohmann-json3-dev
+  liburing-dev                  # the disk tier's asynchronous I/O (io_uring)
   libgtest-dev libgmock-dev libbenchmark-dev
   clang libclang-rt-14-dev      # libFuzzer targets for the checkpoint readers (tests/fuzz)
   python3 python3-venv          # the project's virtual environment

@@ -25,6 +25,7 @@
 // strategy. See docs/design.md "ZeRO stages".
 #pragma once
 
+#include "fsdp/offload.h"
 #include "fsdp/strategy.h"
 
 #include <cstdint>
@@ -42,14 +43,27 @@ class FSDPStrategy;
 struct DeepSpeedOptions {
   bool zero_optimization = true;  // false (plain DeepSpeed data parallel): use "ddp" instead
   int stage = 2;                  // 1 | 2 | 3
-  // "cpu" places parameters and optimizer state in host memory; "nvme" is the disk tier
-  // (not implemented yet: an error). Unset: offload_params_device / offload_optimizer_device.
+  // "cpu" places parameters and optimizer state in host memory (where they already are on a
+  // CPU device); "nvme" is the disk tier (fsdp/offload.h, README "Disk tier (NVMe offload)"):
+  // offload_optimizer_device = "nvme" streams Adam's moments from swap files under nvme_path.
+  // Parameters on disk (offload_params_device = "nvme", or remote_device = "nvme") are not
+  // implemented yet: an error.
   std::string remote_device;
   bool offload_optimizer = false;   // optimizer state and step in host memory (stages 1-3)
   bool offload_parameters = false;  // parameters in host memory (stage 3 only)
-  std::string offload_params_device = "cpu";     // "cpu" | "nvme"
+  std::string offload_params_device = "cpu";     // "cpu" | "nvme" (not implemented yet)
   std::string offload_optimizer_device = "cpu";  // "cpu" | "nvme"
-  std::string nvme_path = "/local_nvme";         // the disk tier's; unused until it lands
+  std::string nvme_path = "/local_nvme";         // swap files go to nvme_path/<job>/rank<r>/
+  // The disk tier's I/O: DeepSpeed's "aio" block.
+  AioOptions aio;
+  // DeepSpeed's offload buffers (Lightning's defaults). offload_optimizer: the disk tier always
+  // streams through three buffers of one sub-group each (read, step, write), so
+  // optimizer_buffer_count is reported, not used. offload_param's buffer_count / buffer_size /
+  // max_in_cpu belong to parameters on disk (not implemented yet).
+  int64_t optimizer_buffer_count = 4;
+  int64_t params_buffer_count = 5;
+  double params_buffer_size = 1e8;
+  double max_in_cpu = 1e9;
   bool pin_memory = false;
   double sub_group_size = 1e12;
   bool contiguous_gradients = true;  // gradients copied into one flat bucket (always, here)
@@ -158,12 +172,22 @@ class DeepSpeedStrategy : public Strategy {
   // --- introspection (tests): elements of whole parameters kept persistent by stage 3, and the
   // number of gradient buckets of the partitioner (0 when there is none).
   int64_t persistent_numel() const;
+  // The disk tier (offload_optimizer_device "nvme"), after setup_optimizer: this rank's plan
+  // (null without the disk tier) and its swap files.
+  const DiskPlan* disk_plan() const;
+  std::vector<std::string> swap_files() const;
+  // A checkpoint of a disk-offloaded optimizer is not implemented yet: refuses (before the
+  // checkpoint is published, so no checkpoint without its optimizer state appears).
+  void save_extra_state(const std::string& dir, torch::nn::Module& module,
+                        torch::optim::Optimizer* optimizer) override;
   int64_t num_grad_buckets() const;
   // Stage 3's FSDP engine (null for stages 1 and 2), for tests and tools.
   FSDPStrategy* stage3_engine() const;
 
  private:
   void setup_activation_partitioning(LightningModule& module);
+  std::string disk_job_name();
+  void setup_disk_tier(torch::optim::Optimizer& optimizer);
 
   struct Impl;
   DeepSpeedOptions options_;
@@ -174,7 +198,7 @@ class DeepSpeedStrategy : public Strategy {
 
 // Lightning's registry names: "deepspeed" (stage 2), "deepspeed_stage_1", "deepspeed_stage_2",
 // "deepspeed_stage_2_offload", "deepspeed_stage_3", "deepspeed_stage_3_offload",
-// "deepspeed_stage_3_offload_nvme" (an error until the disk tier lands).
+// "deepspeed_stage_3_offload_nvme" (an error until parameters on disk land: it offloads both).
 std::vector<std::string> deepspeed_strategy_names();
 std::shared_ptr<DeepSpeedStrategy> make_deepspeed_strategy(const std::string& name,
                                                            DeepSpeedOptions options = {});

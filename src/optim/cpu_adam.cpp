@@ -4,6 +4,7 @@
 #include "fsdp/cpu_adam.h"
 
 #include "optim/cpu_adam_kernel.h"
+#include "optim/cpu_adam_spans.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/Version.h>
@@ -143,16 +144,43 @@ kernel::RangeFn range_fn() {
   return kernel::DEFAULT::adam_range;
 }
 
+}  // namespace
+}  // namespace fsdp::optim
+
+namespace fsdp::detail::cpu_adam {
+
+Scalars make_scalars(const Hyper& o, int64_t step) {
+  Scalars s;
+  const double bc1 = o.bias_correction ? 1 - std::pow(o.beta1, step) : 1.0;
+  const double bc2 = o.bias_correction ? 1 - std::pow(o.beta2, step) : 1.0;
+  s.beta1 = static_cast<float>(o.beta1);
+  s.one_minus_beta1 = static_cast<float>(1 - o.beta1);
+  s.beta2 = static_cast<float>(o.beta2);
+  s.one_minus_beta2 = static_cast<float>(1 - o.beta2);
+  s.bias_correction2_sqrt = static_cast<float>(std::sqrt(bc2));
+  s.neg_step_size = static_cast<float>(-(o.lr / bc1));
+  s.eps = static_cast<float>(o.eps);
+  if (o.weight_decay != 0) {
+    if (o.adamw_mode) {
+      s.decay = static_cast<float>(1 - o.lr * o.weight_decay);
+    } else {
+      s.l2 = static_cast<float>(o.weight_decay);
+    }
+  }
+  s.amsgrad = o.amsgrad;
+  return s;
+}
+
 // Work below this many elements stays on the calling thread.
 constexpr int64_t kGrainSize = 32768;
 
 // Every span's elements as one range [0, total) split over at::get_num_threads() threads: one
 // parallel region per step, however many (small) parameters there are.
-void run_spans(const std::vector<kernel::Span>& spans) {
+void run_spans(const std::vector<Span>& spans) {
   if (spans.empty()) return;
   std::vector<int64_t> starts(spans.size() + 1, 0);
   for (size_t i = 0; i < spans.size(); ++i) starts[i + 1] = starts[i] + spans[i].numel;
-  const kernel::RangeFn fn = range_fn();
+  const RangeFn fn = fsdp::optim::range_fn();
   at::parallel_for(0, starts.back(), kGrainSize, [&](int64_t begin, int64_t end) {
     size_t i = std::upper_bound(starts.begin(), starts.end(), begin) - starts.begin() - 1;
     for (; i < spans.size() && starts[i] < end; ++i) {
@@ -163,7 +191,9 @@ void run_spans(const std::vector<kernel::Span>& spans) {
   });
 }
 
-}  // namespace
+}  // namespace fsdp::detail::cpu_adam
+
+namespace fsdp::optim {
 
 CPUAdam::CPUAdam(std::vector<at::Tensor> params, CPUAdamOptions options)
     : CPUAdam(std::vector<torch::optim::OptimizerParamGroup>{
@@ -231,23 +261,9 @@ at::Tensor CPUAdam::step(LossClosure closure) {
 
       // The scalars exactly as libtorch computes them (double, then float in the kernels).
       kernel::Span span;
-      const double bc1 = bias_correction_ ? 1 - std::pow(o.beta1, step) : 1.0;
-      const double bc2 = bias_correction_ ? 1 - std::pow(o.beta2, step) : 1.0;
-      span.s.beta1 = static_cast<float>(o.beta1);
-      span.s.one_minus_beta1 = static_cast<float>(1 - o.beta1);
-      span.s.beta2 = static_cast<float>(o.beta2);
-      span.s.one_minus_beta2 = static_cast<float>(1 - o.beta2);
-      span.s.bias_correction2_sqrt = static_cast<float>(std::sqrt(bc2));
-      span.s.neg_step_size = static_cast<float>(-(o.lr / bc1));
-      span.s.eps = static_cast<float>(o.eps);
-      if (o.weight_decay != 0) {
-        if (adamw_mode_) {
-          span.s.decay = static_cast<float>(1 - o.lr * o.weight_decay);
-        } else {
-          span.s.l2 = static_cast<float>(o.weight_decay);
-        }
-      }
-      span.s.amsgrad = o.amsgrad;
+      span.s = kernel::make_scalars({o.lr, o.beta1, o.beta2, o.eps, o.weight_decay, o.amsgrad,
+                                     adamw_mode_, bias_correction_},
+                                    step);
 
       at::Tensor pc = p.is_contiguous() ? p : p.contiguous();
       if (!pc.is_same(p)) write_back.emplace_back(p, pc);
@@ -266,7 +282,7 @@ at::Tensor CPUAdam::step(LossClosure closure) {
       spans.push_back(span);
     }
   }
-  run_spans(spans);
+  kernel::run_spans(spans);
   for (auto& [registered, copy] : write_back) registered.copy_(copy);
   return loss;
 }

@@ -10,6 +10,7 @@
 #include "fsdp/fsdp_strategy.h"
 #include "fsdp/lightning.h"
 #include "fsdp/trainer.h"
+#include "offload/nvme_adam.h"
 #include "zero/partitioner.h"
 #include "zero/warmup_lr.h"
 
@@ -20,6 +21,8 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
+#include <unistd.h>
 #include <unordered_set>
 
 namespace fsdp {
@@ -31,16 +34,24 @@ struct DeepSpeedStrategy::Impl {
   // Stage 3: parameters kept whole (fqn, tensor), trainable or not.
   std::vector<std::pair<std::string, at::Tensor>> persistent;
   torch::nn::Module* module = nullptr;
+  // The disk tier (offload_optimizer_device "nvme"): steps in place of optimizer.step().
+  std::unique_ptr<detail::NvmeAdam> nvme;
 };
 
 namespace {
 
-void check_device(const std::string& what, const std::string& device) {
-  TORCH_CHECK(device != "nvme", "[deepspeed] ", what, " = \"nvme\": the disk tier (NVMe offload, "
-              "ZeRO-Infinity) is not implemented yet. HINT: use 'deepspeed_stage_3_offload' "
-              "(host memory) instead");
-  TORCH_CHECK(device == "cpu", "[deepspeed] ", what, " must be \"cpu\" (or \"nvme\", not "
-              "implemented yet), got \"", device, "\"");
+void check_device(const std::string& what, const std::string& device, bool nvme_ok) {
+  TORCH_CHECK(device == "cpu" || device == "nvme", "[deepspeed] ", what,
+              " must be \"cpu\" or \"nvme\", got \"", device, "\"");
+  TORCH_CHECK(device != "nvme" || nvme_ok, "[deepspeed] ", what, " = \"nvme\": parameters on "
+              "disk (ZeRO-Infinity's offload_param to NVMe) are not implemented yet; the disk "
+              "tier holds optimizer state only. HINT: offload_optimizer=true with "
+              "offload_optimizer_device=\"nvme\" (JSON: zero_optimization.offload_optimizer."
+              "device \"nvme\") and parameters in RAM");
+}
+
+bool optimizer_on_disk(const DeepSpeedOptions& o) {
+  return o.offload_optimizer && o.offload_optimizer_device == "nvme";
 }
 
 void check_options(const DeepSpeedOptions& o) {
@@ -49,9 +60,14 @@ void check_options(const DeepSpeedOptions& o) {
   TORCH_CHECK(o.stage >= 1 && o.stage <= 3, "[deepspeed] ZeRO stage ", o.stage,
               " is not available; stages 1, 2 and 3 are (stage 0 is plain data parallelism: "
               "use strategy 'ddp')");
-  if (!o.remote_device.empty()) check_device("remote_device", o.remote_device);
-  if (o.offload_optimizer) check_device("offload_optimizer_device", o.offload_optimizer_device);
-  if (o.offload_parameters) check_device("offload_params_device", o.offload_params_device);
+  if (!o.remote_device.empty()) check_device("remote_device", o.remote_device, false);
+  if (o.offload_optimizer) check_device("offload_optimizer_device", o.offload_optimizer_device, true);
+  if (o.offload_parameters) check_device("offload_params_device", o.offload_params_device, false);
+  TORCH_CHECK(!optimizer_on_disk(o) || !o.nvme_path.empty(), "[deepspeed] "
+              "offload_optimizer_device=\"nvme\" needs nvme_path (a directory on the disk for "
+              "the swap files)");
+  TORCH_CHECK(o.sub_group_size >= 1, "[deepspeed] sub_group_size must be >= 1 element, got ",
+              o.sub_group_size);
   TORCH_CHECK(!o.offload_parameters || o.stage == 3, "[deepspeed] offload_parameters needs "
               "stage 3 (DeepSpeed offloads parameters only when they are partitioned); got stage ",
               o.stage, ". HINT: use offload_optimizer for stages 1 and 2");
@@ -151,13 +167,19 @@ void DeepSpeedStrategy::setup_module(LightningModule& module) {
     for (const auto& [name, p] : params) all_cpu = all_cpu && p.device().is_cpu();
     TORCH_CHECK(all_cpu, "[deepspeed] offload from an accelerator to host memory is not "
                 "implemented yet (parameters are on ", params.front().second.device(), ")");
-    if (rank() == 0) {
+    const bool to_cpu_opt = options_.offload_optimizer && !optimizer_on_disk(options_);
+    if (rank() == 0 && (to_cpu_opt || options_.offload_parameters)) {
       std::fprintf(stderr, "[deepspeed] %s%s%s: the compute device is the CPU, so this state "
                    "already lives in host memory and the step already runs there; nothing is "
                    "moved\n",
-                   options_.offload_optimizer ? "offload_optimizer" : "",
-                   options_.offload_optimizer && options_.offload_parameters ? " + " : "",
+                   to_cpu_opt ? "offload_optimizer" : "",
+                   to_cpu_opt && options_.offload_parameters ? " + " : "",
                    options_.offload_parameters ? "offload_parameters" : "");
+    }
+    if (rank() == 0 && optimizer_on_disk(options_) && options_.pin_memory) {
+      std::fprintf(stderr, "[deepspeed] pin_memory: there is no accelerator to copy to, so "
+                   "pinned (page-locked) host buffers would change nothing; the swap buffers "
+                   "are ordinary page-aligned host memory\n");
     }
   }
 
@@ -295,6 +317,51 @@ void DeepSpeedStrategy::configure_optimizers(LightningModule& module, OptimizerC
 
 void DeepSpeedStrategy::setup_optimizer(torch::optim::Optimizer& optimizer) {
   if (impl_->zero) impl_->zero->partition_optimizer(optimizer);
+  if (optimizer_on_disk(options_)) setup_disk_tier(optimizer);
+}
+
+// The job's name under nvme_path: FSDP_JOB_ID, else rank 0's pid and start time (broadcast, so
+// every rank of the job uses the same directory and concurrent jobs do not collide).
+std::string DeepSpeedStrategy::disk_job_name() {
+  if (const char* id = std::getenv("FSDP_JOB_ID"); id && *id) return id;
+  at::Tensor t = at::tensor({static_cast<int64_t>(::getpid()),
+                             static_cast<int64_t>(std::time(nullptr))}, at::kLong);
+  if (world_size() > 1) world_->broadcast(t, 0);
+  return "fsdp-job-" + std::to_string(t[0].item<int64_t>()) + "-" +
+         std::to_string(t[1].item<int64_t>());
+}
+
+void DeepSpeedStrategy::setup_disk_tier(torch::optim::Optimizer& optimizer) {
+  TORCH_CHECK(!impl_->nvme, "[deepspeed] setup_optimizer called twice with the disk tier");
+  detail::NvmeAdam::Options o;
+  o.nvme_path = options_.nvme_path;
+  o.job = disk_job_name();
+  o.rank = rank();
+  o.ranks_sharing_disk = std::max(1, launch_.local_world_size);
+  o.sub_group_size = static_cast<int64_t>(options_.sub_group_size);
+  o.aio = options_.aio;
+  impl_->nvme = std::make_unique<detail::NvmeAdam>(optimizer, o);
+  const DiskPlan& plan = impl_->nvme->plan();
+  std::fprintf(stderr, "[deepspeed] rank %d: optimizer state on disk (offload_optimizer "
+               "device nvme, aio block_size %lld, queue_depth %d):\n%s", rank(),
+               static_cast<long long>(options_.aio.block_size), options_.aio.queue_depth,
+               plan.describe().c_str());
+}
+
+const DiskPlan* DeepSpeedStrategy::disk_plan() const {
+  return impl_->nvme ? &impl_->nvme->plan() : nullptr;
+}
+
+std::vector<std::string> DeepSpeedStrategy::swap_files() const {
+  return impl_->nvme ? impl_->nvme->files() : std::vector<std::string>{};
+}
+
+void DeepSpeedStrategy::save_extra_state(const std::string& dir, torch::nn::Module& module,
+                                         torch::optim::Optimizer* optimizer) {
+  TORCH_CHECK(!impl_->nvme || !optimizer, "[deepspeed] saving a checkpoint of a run whose "
+              "optimizer state is on disk (offload_optimizer_device nvme) is not implemented "
+              "yet; the checkpoint '", dir, "' is not published. HINT: save the model only "
+              "(no optimizer), or use offload_optimizer_device \"cpu\" for resumable runs");
 }
 
 void DeepSpeedStrategy::pre_forward(LightningModule& module, bool sync) {
@@ -339,7 +406,11 @@ double DeepSpeedStrategy::clip_grad_norm(LightningModule& module, double max_nor
 }
 
 void DeepSpeedStrategy::optimizer_step(torch::optim::Optimizer& optimizer) {
-  optimizer.step();
+  if (impl_->nvme) {
+    impl_->nvme->step(optimizer);  // See Note [Disk tier swapper]
+  } else {
+    optimizer.step();
+  }
   if (impl_->zero) impl_->zero->all_gather_params();
 }
 

@@ -46,7 +46,7 @@ const std::vector<NamedPreset>& presets() {
 const std::vector<std::string> kTopKeys = {
     "zero_optimization", "bf16", "gradient_clipping", "gradient_accumulation_steps",
     "train_micro_batch_size_per_gpu", "optimizer", "scheduler", "zero_allow_untested_optimizer",
-    "activation_checkpointing"};
+    "activation_checkpointing", "aio"};
 const std::vector<std::string> kZeroKeys = {
     "stage", "offload_optimizer", "offload_param", "contiguous_gradients", "overlap_comm",
     "allgather_partitions", "reduce_scatter", "allgather_bucket_size", "reduce_bucket_size",
@@ -54,6 +54,8 @@ const std::vector<std::string> kZeroKeys = {
     "stage3_max_live_parameters"};
 const std::vector<std::string> kOffloadOptimizerKeys = {"device", "pin_memory", "nvme_path",
                                                         "buffer_count"};
+const std::vector<std::string> kAioKeys = {"block_size", "queue_depth", "intra_op_parallelism",
+                                           "single_submit", "overlap_events", "use_gds"};
 const std::vector<std::string> kOffloadParamKeys = {"device",      "pin_memory", "nvme_path",
                                                     "buffer_count", "buffer_size", "max_in_cpu"};
 const std::vector<std::string> kBf16Keys = {"enabled"};
@@ -150,11 +152,11 @@ json load_config_json(const std::string& path_or_json, std::string* source) {
   return j;
 }
 
-void read_offload_device(ConfigReader& r, const json& zero, const char* key,
-                         const std::vector<std::string>& keys, bool* enabled,
-                         std::string* device, std::string* nvme_path, bool* pin_memory) {
+const json* read_offload_device(ConfigReader& r, const json& zero, const char* key,
+                                const std::vector<std::string>& keys, bool* enabled,
+                                std::string* device, std::string* nvme_path, bool* pin_memory) {
   const json* off = r.object(zero, "zero_optimization", key);
-  if (!off) return;
+  if (!off) return nullptr;
   const std::string where = std::string("zero_optimization.") + key;
   r.check_keys(*off, where, keys);
   const std::string dev = r.string(*off, where, "device", "none");
@@ -164,9 +166,23 @@ void read_offload_device(ConfigReader& r, const json& zero, const char* key,
   if (*enabled) *device = dev;
   *nvme_path = r.string(*off, where, "nvme_path", *nvme_path);
   *pin_memory = r.boolean(*off, where, "pin_memory", *pin_memory);
-  if (off->contains("buffer_count")) r.integer(*off, where, "buffer_count", 0);
-  if (off->contains("buffer_size")) r.number(*off, where, "buffer_size", 0);
-  if (off->contains("max_in_cpu")) r.number(*off, where, "max_in_cpu", 0);
+  return off;
+}
+
+// DeepSpeed's "aio" block (swap_tensor/constants.py defaults, kept by AioOptions).
+AioOptions read_aio(ConfigReader& r, const json& j) {
+  AioOptions a;
+  const json* aio = r.object(j, "", "aio");
+  if (!aio) return a;
+  r.check_keys(*aio, "aio", kAioKeys);
+  a.block_size = r.integer(*aio, "aio", "block_size", a.block_size);
+  a.queue_depth = static_cast<int>(r.integer(*aio, "aio", "queue_depth", a.queue_depth));
+  a.intra_op_parallelism =
+      static_cast<int>(r.integer(*aio, "aio", "intra_op_parallelism", a.intra_op_parallelism));
+  a.single_submit = r.boolean(*aio, "aio", "single_submit", a.single_submit);
+  a.overlap_events = r.boolean(*aio, "aio", "overlap_events", a.overlap_events);
+  a.use_gds = r.boolean(*aio, "aio", "use_gds", a.use_gds);
+  return a;
 }
 
 }  // namespace
@@ -203,11 +219,22 @@ DeepSpeedOptions parse_deepspeed_config(const std::string& path_or_json,
         r.integer(*z, w, "stage3_param_persistence_threshold", 100000);
     o.stage3_prefetch_bucket_size = r.integer(*z, w, "stage3_prefetch_bucket_size", 50000000);
     o.stage3_max_live_parameters = r.integer(*z, w, "stage3_max_live_parameters", 1000000000);
-    read_offload_device(r, *z, "offload_optimizer", kOffloadOptimizerKeys, &o.offload_optimizer,
-                        &o.offload_optimizer_device, &o.nvme_path, &o.pin_memory);
-    read_offload_device(r, *z, "offload_param", kOffloadParamKeys, &o.offload_parameters,
-                        &o.offload_params_device, &o.nvme_path, &o.pin_memory);
+    const std::string wo = "zero_optimization.offload_optimizer";
+    if (const json* off = read_offload_device(r, *z, "offload_optimizer", kOffloadOptimizerKeys,
+                                              &o.offload_optimizer, &o.offload_optimizer_device,
+                                              &o.nvme_path, &o.pin_memory)) {
+      o.optimizer_buffer_count = r.integer(*off, wo, "buffer_count", o.optimizer_buffer_count);
+    }
+    const std::string wp = "zero_optimization.offload_param";
+    if (const json* off = read_offload_device(r, *z, "offload_param", kOffloadParamKeys,
+                                              &o.offload_parameters, &o.offload_params_device,
+                                              &o.nvme_path, &o.pin_memory)) {
+      o.params_buffer_count = r.integer(*off, wp, "buffer_count", o.params_buffer_count);
+      o.params_buffer_size = r.number(*off, wp, "buffer_size", o.params_buffer_size);
+      o.max_in_cpu = r.number(*off, wp, "max_in_cpu", o.max_in_cpu);
+    }
   }
+  o.aio = read_aio(r, j);
   if (const json* a = r.object(j, "", "activation_checkpointing")) {
     r.check_keys(*a, "activation_checkpointing", kActivationKeys);
     o.partition_activations = r.boolean(*a, "activation_checkpointing", "partition_activations", false);

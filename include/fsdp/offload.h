@@ -1,0 +1,41 @@
+// The disk tier (ZeRO-Infinity's NVMe offload): asynchronous I/O settings and the per-rank plan
+// of what lives in RAM and what on disk. Users set these through fsdp::DeepSpeedOptions
+// (offload_optimizer_device = "nvme", nvme_path, aio) or DeepSpeed's JSON config
+// (zero_optimization.offload_optimizer.device = "nvme", the "aio" block); see README "Disk tier
+// (NVMe offload)".
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace fsdp {
+
+// DeepSpeed's "aio" block, same names and defaults (swap_tensor/constants.py).
+struct AioOptions {
+  int64_t block_size = 1048576;  // bytes per I/O request (a transfer is split into these)
+  int queue_depth = 8;           // requests in flight per ring
+  int intra_op_parallelism = 1;  // rings (each with its own thread) a transfer is spread over
+  bool single_submit = false;    // true: one submit call per request; false: batched
+  bool overlap_events = true;    // true: refill the queue as requests complete; false: in waves
+  bool use_gds = false;          // GPUDirect Storage: no GPU here; true is an error
+};
+
+// What one rank keeps where for a disk-offloaded optimizer (bytes).
+struct DiskPlan {
+  std::string dir;            // nvme_path/<job>/rank<r>
+  int64_t state_numel = 0;    // optimizer-state elements of this rank (its partition)
+  int64_t sub_group_numel = 0;  // elements per sub-group (the streaming unit)
+  int64_t num_sub_groups = 0;
+  int64_t disk_bytes = 0;     // swap files (exp_avg + exp_avg_sq, aligned, with headers)
+  int64_t ram_bytes = 0;      // swap buffers in RAM (three sub-groups: read, step, write)
+  int64_t free_bytes = -1;    // free space under nvme_path (statvfs), -1 unknown
+  std::string describe() const;  // one line per item, for setup and --dry-run
+};
+
+// The plan for `state_numel` fp32 Adam elements streamed in sub-groups of `sub_group_size`
+// elements, with swap files under nvme_path (free space measured with statvfs on nvme_path or
+// its closest existing parent).
+DiskPlan plan_disk_offload(int64_t state_numel, int64_t sub_group_size,
+                           const std::string& nvme_path);
+
+}  // namespace fsdp

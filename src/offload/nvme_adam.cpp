@@ -1,0 +1,244 @@
+// detail::NvmeAdam: see nvme_adam.h and Note [Disk tier swapper] in docs/design.md.
+#include "offload/nvme_adam.h"
+
+#include "fsdp/cpu_adam.h"
+#include "fsdp/memory.h"
+#include "optim/cpu_adam_spans.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace fsdp::detail {
+
+struct NvmeAdam::Slot {
+  at::Tensor param;   // this rank's partition / shard, contiguous
+  int64_t begin = 0;  // its first element in the flat state
+  int group = 0;
+};
+
+struct NvmeAdam::Buffer {
+  AlignedBuffer record;  // header, exp_avg, exp_avg_sq of one sub-group
+  AioTicket read, write;
+};
+
+namespace {
+
+// A sub-group's record: [header | exp_avg | exp_avg_sq], each part aligned for O_DIRECT.
+int64_t moment_bytes(int64_t n) { return align_up(n * static_cast<int64_t>(sizeof(float))); }
+int64_t payload_bytes(int64_t n) { return 2 * moment_bytes(n); }
+int64_t record_bytes(int64_t n) { return kAioAlignment + payload_bytes(n); }
+
+cpu_adam::Hyper group_hyper(torch::optim::OptimizerOptions& options, bool adamw_mode,
+                            bool bias_correction, const std::string& who) {
+  cpu_adam::Hyper h;
+  h.adamw_mode = adamw_mode;
+  h.bias_correction = bias_correction;
+  auto take = [&](auto* o) {
+    h.lr = o->lr();
+    h.beta1 = std::get<0>(o->betas());
+    h.beta2 = std::get<1>(o->betas());
+    h.eps = o->eps();
+    h.weight_decay = o->weight_decay();
+    h.amsgrad = o->amsgrad();
+  };
+  if (auto* o = dynamic_cast<torch::optim::AdamWOptions*>(&options)) {
+    take(o);
+  } else if (auto* o = dynamic_cast<torch::optim::AdamOptions*>(&options)) {
+    take(o);
+  } else {
+    TORCH_CHECK(false, who, " offload_optimizer device \"nvme\": a parameter group has options of "
+                "another optimizer; the disk tier streams Adam / AdamW state");
+  }
+  TORCH_CHECK(!h.amsgrad, who, " offload_optimizer device \"nvme\" with amsgrad is not "
+              "implemented yet (it would stream a third moment). HINT: amsgrad=false, or "
+              "offload_optimizer device \"cpu\"");
+  return h;
+}
+
+}  // namespace
+
+NvmeAdam::NvmeAdam(torch::optim::Optimizer& optimizer, Options options)
+    : options_(std::move(options)) {
+  const std::string& who = options_.who;
+  if (auto* c = dynamic_cast<fsdp::optim::CPUAdam*>(&optimizer)) {
+    adamw_mode_ = c->adamw_mode();
+    bias_correction_ = c->bias_correction();
+  } else if (dynamic_cast<torch::optim::AdamW*>(&optimizer)) {
+    adamw_mode_ = true;
+  } else if (dynamic_cast<torch::optim::Adam*>(&optimizer)) {
+    adamw_mode_ = false;
+  } else {
+    TORCH_CHECK(false, who, " offload_optimizer device \"nvme\" streams Adam/AdamW moments "
+                "from disk; this optimizer is neither torch::optim::Adam, AdamW nor "
+                "fsdp::optim::CPUAdam. HINT: use one of those, or offload_optimizer device "
+                "\"cpu\"");
+  }
+  TORCH_CHECK(optimizer.state().empty(), who, " offload_optimizer device \"nvme\": the "
+              "optimizer already holds state; hand the strategy a fresh optimizer (resuming a "
+              "disk-offloaded run from a checkpoint is not implemented yet)");
+  int64_t total = 0;
+  int gi = 0;
+  for (auto& group : optimizer.param_groups()) {
+    group_hyper(group.options(), adamw_mode_, bias_correction_, who);  // checks amsgrad
+    for (auto& p : group.params()) {
+      TORCH_CHECK(p.device().is_cpu() && p.is_contiguous(), who, " offload_optimizer device "
+                  "\"nvme\": a parameter of shape ", p.sizes(), " is not a contiguous CPU "
+                  "tensor");
+      const auto dt = p.scalar_type();
+      TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, who,
+                  " offload_optimizer device \"nvme\": parameters must be float32, bfloat16 or "
+                  "float16, got ", dt);
+      slots_.push_back(Slot{p, total, gi});
+      total += p.numel();
+    }
+    ++gi;
+  }
+  steps_.assign(slots_.size(), 0);
+
+  // Budget first: what goes where, checked before anything is allocated or created.
+  plan_ = plan_disk_offload(total, options_.sub_group_size, options_.nvme_path);
+  plan_.dir = options_.nvme_path + "/" + options_.job + "/rank" + std::to_string(options_.rank);
+  const int64_t node_bytes = plan_.disk_bytes * std::max(1, options_.ranks_sharing_disk);
+  if (plan_.free_bytes >= 0) {
+    TORCH_CHECK(node_bytes <= plan_.free_bytes, who, " rank ", options_.rank,
+                ": the disk tier needs ", format_bytes(plan_.disk_bytes), " (", plan_.disk_bytes,
+                " bytes) of swap files per rank, ", format_bytes(node_bytes), " for the ",
+                options_.ranks_sharing_disk, " rank(s) of this node, under '",
+                options_.nvme_path, "' but only ", format_bytes(plan_.free_bytes),
+                " are free there. HINT: free space, point nvme_path at a larger disk, or spread "
+                "the ranks over more nodes");
+  }
+  const int64_t budget = memory_budget();
+  if (budget > 0) {
+    const int64_t need = memory_stats().current_bytes + plan_.ram_bytes;
+    if (need > budget) {
+      throw OutOfMemoryError(who + " rank " + std::to_string(options_.rank) +
+                             ": the disk tier's swap buffers need " +
+                             format_bytes(plan_.ram_bytes) + " of RAM on top of " +
+                             format_bytes(memory_stats().current_bytes) + " in use, budget " +
+                             format_bytes(budget) + ". HINT: lower sub_group_size (three "
+                             "sub-groups of 8 bytes per element are in RAM)");
+    }
+  }
+
+  dir_ = std::make_unique<SwapDir>(options_.nvme_path, options_.job, options_.rank);
+  engine_ = std::make_unique<AioEngine>(options_.aio);
+  generation_.assign(static_cast<size_t>(plan_.num_sub_groups), 0);
+  for (int64_t g = 0; g < plan_.num_sub_groups; ++g) {
+    const int64_t n = std::min(plan_.sub_group_numel, total - g * plan_.sub_group_numel);
+    fds_.push_back(dir_->create("optimizer.subgroup" + std::to_string(g) + ".swp",
+                                record_bytes(n)));
+  }
+  const int64_t nbuf = std::min<int64_t>(3, plan_.num_sub_groups);
+  buffers_.resize(static_cast<size_t>(nbuf));
+  for (auto& b : buffers_) b.record = AlignedBuffer(record_bytes(plan_.sub_group_numel));
+}
+
+NvmeAdam::~NvmeAdam() {
+  // Transfers still in flight target our buffers and files: let them land first.
+  for (auto& b : buffers_) {
+    for (auto* t : {&b.read, &b.write}) {
+      try {
+        AioEngine::wait(*t);
+      } catch (...) {
+      }
+    }
+  }
+  engine_.reset();
+}
+
+void NvmeAdam::load(int64_t g, Buffer& b) {
+  AioEngine::wait(b.write);  // the buffer's previous sub-group is on disk
+  b.write.reset();
+  const int64_t n = std::min(plan_.sub_group_numel, plan_.state_numel - g * plan_.sub_group_numel);
+  if (generation_[g] == 0) {  // never written: the moments start at zero, as torch's Adam
+    std::memset(b.record.data() + kAioAlignment, 0, payload_bytes(n));
+    b.read.reset();
+    return;
+  }
+  b.read = engine_->read(fds_[g], b.record.data(), record_bytes(n), 0, dir_->files()[g]);
+}
+
+void NvmeAdam::step_sub_group(int64_t g, Buffer& b) {
+  const int64_t lo = g * plan_.sub_group_numel;
+  const int64_t n = std::min(plan_.sub_group_numel, plan_.state_numel - lo);
+  const int64_t hi = lo + n;
+  AioEngine::wait(b.read);
+  b.read.reset();
+  if (generation_[g] > 0) {
+    verify_swap_record(b.record.data(), generation_[g], payload_bytes(n), n, dir_->files()[g]);
+  }
+  auto* exp_avg = reinterpret_cast<float*>(b.record.data() + kAioAlignment);
+  auto* exp_avg_sq = reinterpret_cast<float*>(b.record.data() + kAioAlignment + moment_bytes(n));
+  std::vector<cpu_adam::Span> spans;
+  // The parameters overlapping [lo, hi): slots_ is sorted by begin.
+  auto it = std::upper_bound(slots_.begin(), slots_.end(), lo,
+                             [](int64_t x, const Slot& s) { return x < s.begin; });
+  size_t i = it == slots_.begin() ? 0 : static_cast<size_t>(it - slots_.begin()) - 1;
+  for (; i < slots_.size() && slots_[i].begin < hi; ++i) {
+    const Slot& s = slots_[i];
+    const at::Tensor& grad = s.param.grad();
+    const int64_t x = std::max(lo, s.begin), y = std::min(hi, s.begin + s.param.numel());
+    if (x >= y || !grad.defined()) continue;
+    const int64_t esz = s.param.element_size();
+    cpu_adam::Span span;
+    span.s = cpu_adam::make_scalars(hypers_[s.group], steps_[i]);
+    span.param = static_cast<char*>(s.param.data_ptr()) + (x - s.begin) * esz;
+    span.grad = static_cast<const char*>(grad.const_data_ptr()) + (x - s.begin) * esz;
+    span.exp_avg = exp_avg + (x - lo);
+    span.exp_avg_sq = exp_avg_sq + (x - lo);
+    span.numel = y - x;
+    span.dtype = s.param.scalar_type();
+    spans.push_back(span);
+  }
+  cpu_adam::run_spans(spans);
+  seal_swap_record(b.record.data(), generation_[g] + 1, payload_bytes(n), n);
+  ++generation_[g];
+  b.write = engine_->write(fds_[g], b.record.data(), record_bytes(n), 0, dir_->files()[g]);
+}
+
+void NvmeAdam::step(torch::optim::Optimizer& optimizer) {
+  const std::string& who = options_.who;
+  TORCH_CHECK(failed_.empty(), who, " the disk tier stopped after an error and cannot step "
+              "again: ", failed_);
+  at::NoGradGuard no_grad;
+  hypers_.clear();
+  for (auto& group : optimizer.param_groups()) {
+    hypers_.push_back(group_hyper(group.options(), adamw_mode_, bias_correction_, who));
+  }
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    const at::Tensor& grad = slots_[i].param.grad();
+    if (!grad.defined()) continue;
+    TORCH_CHECK(grad.is_contiguous() && grad.scalar_type() == slots_[i].param.scalar_type() &&
+                    grad.numel() == slots_[i].param.numel(),
+                who, " offload_optimizer device \"nvme\": the gradient of a parameter of shape ",
+                slots_[i].param.sizes(), " is not a contiguous ", slots_[i].param.scalar_type(),
+                " tensor of its size");
+    ++steps_[i];
+  }
+  const int64_t G = plan_.num_sub_groups;
+  const int64_t nb = static_cast<int64_t>(buffers_.size());
+  if (G == 0) return;
+  try {
+    // Note [Disk tier swapper]: read g+1 and write g-1 while g steps.
+    load(0, buffers_[0]);
+    for (int64_t g = 0; g < G; ++g) {
+      if (g + 1 < G) load(g + 1, buffers_[(g + 1) % nb]);
+      step_sub_group(g, buffers_[g % nb]);
+    }
+    for (auto& b : buffers_) {
+      AioEngine::wait(b.write);
+      b.write.reset();
+    }
+  } catch (const std::exception& e) {
+    failed_ = e.what();
+    throw;
+  }
+}
+
+}  // namespace fsdp::detail

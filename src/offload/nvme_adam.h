@@ -1,0 +1,74 @@
+// detail::NvmeAdam: Adam/AdamW whose moments (exp_avg, exp_avg_sq) live in swap files on disk,
+// streamed through three RAM buffers one sub-group at a time: read the next sub-group, step the
+// current one with the CPU Adam kernel, write the previous one (ZeRO-Infinity's optimizer
+// swapper with pipeline_read / pipeline_write). A strategy calls step(optimizer) in place of
+// optimizer.step(); the torch optimizer then only carries the parameter groups and
+// hyper-parameters (lr from a scheduler included) and never holds state.
+// See Note [Disk tier swapper] in docs/design.md.
+#pragma once
+
+#include "fsdp/offload.h"
+#include "offload/aio.h"
+#include "offload/swap_file.h"
+#include "optim/cpu_adam_spans.h"
+
+#include <ATen/core/Tensor.h>
+#include <torch/optim/optimizer.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace fsdp::detail {
+
+class NvmeAdam {
+ public:
+  struct Options {
+    std::string nvme_path;
+    std::string job;  // the same on every rank: nvme_path/<job>/rank<r>/
+    int rank = 0;
+    int ranks_sharing_disk = 1;  // ranks of this node: their swap files share nvme_path's disk
+    int64_t sub_group_size = 1000000000;  // elements streamed per sub-group
+    AioOptions aio;
+    std::string who = "[deepspeed]";  // prefix of messages
+  };
+  // Takes the optimizer's parameters (this rank's partitions or shards, in group order) and
+  // checks the plan against the free space under nvme_path and the memory budget before it
+  // allocates; then creates the swap files. Refuses an optimizer that is not Adam / AdamW /
+  // fsdp::optim::CPUAdam, amsgrad, or one that already holds state.
+  NvmeAdam(torch::optim::Optimizer& optimizer, Options options);
+  ~NvmeAdam();
+
+  // One optimizer step of every parameter with a gradient, the moments streamed from and back
+  // to disk. After an I/O error or a corrupt record every later call fails too.
+  void step(torch::optim::Optimizer& optimizer);
+
+  const DiskPlan& plan() const { return plan_; }
+  const std::vector<std::string>& files() const { return dir_->files(); }
+  const std::string& dir() const { return dir_->path(); }
+  // Bytes read and written by the swapper so far.
+  int64_t io_bytes() const { return engine_->bytes_done(); }
+
+ private:
+  struct Slot;  // a parameter's place in the flat state
+  struct Buffer;
+  void load(int64_t g, Buffer& b);
+  void step_sub_group(int64_t g, Buffer& b);
+
+  Options options_;
+  DiskPlan plan_;
+  bool adamw_mode_ = true;
+  bool bias_correction_ = true;
+  std::vector<Slot> slots_;
+  std::vector<cpu_adam::Hyper> hypers_;  // per parameter group, read at every step
+  std::vector<int64_t> steps_;        // per parameter, as torch's state "step"
+  std::vector<uint64_t> generation_;  // per sub-group: writes that landed (0: never written)
+  std::vector<int> fds_;              // per sub-group
+  std::vector<Buffer> buffers_;       // min(3, sub-groups)
+  std::unique_ptr<SwapDir> dir_;
+  std::unique_ptr<AioEngine> engine_;
+  std::string failed_;  // the first I/O or integrity error
+};
+
+}  // namespace fsdp::detail
