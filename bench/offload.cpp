@@ -1,0 +1,181 @@
+// fsdp-bench offload: the disk tier's I/O against the disk itself, in one run:
+//
+//   fsdp-bench offload [--dir /tmp] [--numel 67108864] [--sub-group-size 8388608]
+//                      [--block-size 1048576] [--queue-depth 8] [--intra-op-parallelism 1]
+//                      [--steps 3]
+//
+//   disk        O_DIRECT sequential write, then read, of a file as large as the swap files
+//               (2 moments x numel x 4 B), one block_size request at a time (pwrite/pread):
+//               the disk's bandwidth at this block size, with no asynchronous I/O
+//   swapper     the same bytes through detail::AioEngine (io_uring, queue_depth in flight)
+//   step        detail::NvmeAdam over numel fp32 parameters: one Adam step streams every
+//               sub-group's moments in (read) and out (write) while it steps; after a warm-up
+//               step (the first writes only), the median of --steps steps
+//   fraction    (read bytes / disk read bandwidth + written bytes / disk write bandwidth) /
+//               step time: the share of the disk's bandwidth the pipelined step achieves
+//               (goal >= 0.5; compute that the pipeline does not hide counts against it)
+// Prints JSON on stdout and the load average at start and end (the numbers depend on it).
+#include "bench.h"
+#include "runs.h"
+
+#include "offload/aio.h"
+#include "offload/nvme_adam.h"
+#include "offload/swap_file.h"
+
+#include <ATen/ATen.h>
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+#include <torch/optim/adamw.h>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+using nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+struct Options {
+  std::string dir = "/tmp";
+  int64_t numel = 67108864;          // 64 Mi fp32 parameters: 512 MiB of moments on disk
+  int64_t sub_group_size = 8388608;  // 8 Mi elements: 64 MiB records
+  fsdp::AioOptions aio;
+  int steps = 3;
+};
+
+std::string load_average() {
+  std::istringstream in(fsdp::bench::read_text("/proc/loadavg"));
+  std::string a, b, c;
+  in >> a >> b >> c;
+  return a + " " + b + " " + c;
+}
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// Synchronous O_DIRECT sequential write then read of `bytes`, one block per call.
+json disk_baseline(const std::string& path, int64_t bytes, int64_t block) {
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_DIRECT, 0600);
+  TORCH_CHECK(fd >= 0, "[fsdp-bench offload] cannot open '", path, "' with O_DIRECT: ",
+              std::strerror(errno));
+  fsdp::detail::AlignedBuffer buf(block);
+  std::memset(buf.data(), 0x5a, block);
+  TORCH_CHECK(::posix_fallocate(fd, 0, bytes) == 0, "[fsdp-bench offload] cannot reserve ",
+              bytes, " bytes in '", path, "'");
+  auto t0 = Clock::now();
+  for (int64_t off = 0; off < bytes; off += block) {
+    TORCH_CHECK(::pwrite(fd, buf.data(), block, off) == block, "[fsdp-bench offload] pwrite: ",
+                std::strerror(errno));
+  }
+  ::fdatasync(fd);
+  const double tw = seconds_since(t0);
+  t0 = Clock::now();
+  for (int64_t off = 0; off < bytes; off += block) {
+    TORCH_CHECK(::pread(fd, buf.data(), block, off) == block, "[fsdp-bench offload] pread: ",
+                std::strerror(errno));
+  }
+  const double tr = seconds_since(t0);
+  ::close(fd);
+  ::unlink(path.c_str());
+  return {{"write_gb_s", bytes / tw / 1e9}, {"read_gb_s", bytes / tr / 1e9},
+          {"write_s", tw}, {"read_s", tr}};
+}
+
+// The same bytes through the swapper's engine (one transfer each way).
+json swapper_raw(const std::string& dir, int64_t bytes, const fsdp::AioOptions& aio) {
+  fsdp::detail::SwapDir sd(dir, "fsdp-bench-offload-raw", 0);
+  const int fd = sd.create("raw.swp", bytes);
+  fsdp::detail::AioEngine engine(aio);
+  fsdp::detail::AlignedBuffer buf(bytes);
+  std::memset(buf.data(), 0x3c, bytes);
+  auto t0 = Clock::now();
+  engine.wait(engine.write(fd, buf.data(), bytes, 0, sd.files()[0]));
+  ::fdatasync(fd);
+  const double tw = seconds_since(t0);
+  t0 = Clock::now();
+  engine.wait(engine.read(fd, buf.data(), bytes, 0, sd.files()[0]));
+  const double tr = seconds_since(t0);
+  return {{"write_gb_s", bytes / tw / 1e9}, {"read_gb_s", bytes / tr / 1e9}};
+}
+
+int run_offload(const std::vector<std::string>& args) {
+  Options o;
+  CLI::App app{"fsdp-bench offload"};
+  app.add_option("--dir", o.dir, "directory on the disk to measure (files removed after)");
+  app.add_option("--numel", o.numel, "fp32 parameters the optimizer steps");
+  app.add_option("--sub-group-size", o.sub_group_size, "elements per streamed sub-group");
+  app.add_option("--block-size", o.aio.block_size, "bytes per I/O request (both measurements)");
+  app.add_option("--queue-depth", o.aio.queue_depth, "swapper requests in flight");
+  app.add_option("--intra-op-parallelism", o.aio.intra_op_parallelism, "swapper rings");
+  app.add_option("--steps", o.steps, "timed optimizer steps");
+  if (auto code = fsdp::bench::parse_args(app, "offload", args)) return *code;
+
+  json out;
+  out["load_average_start"] = load_average();
+  out["dir"] = o.dir;
+  out["numel"] = o.numel;
+  out["sub_group_size"] = o.sub_group_size;
+  out["block_size"] = o.aio.block_size;
+  out["queue_depth"] = o.aio.queue_depth;
+  out["intra_op_parallelism"] = o.aio.intra_op_parallelism;
+  out["threads"] = at::get_num_threads();
+
+  const fsdp::DiskPlan plan = fsdp::plan_disk_offload(o.numel, o.sub_group_size, o.dir);
+  const int64_t bytes = fsdp::detail::align_up(plan.disk_bytes, o.aio.block_size);
+  out["disk"] = disk_baseline(o.dir + "/fsdp-bench-offload-disk.bin", bytes, o.aio.block_size);
+  out["swapper_raw"] = swapper_raw(o.dir, bytes, o.aio);
+
+  // The optimizer step with its moments on disk.
+  at::Tensor p = at::empty({o.numel}).uniform_(-1, 1).requires_grad_();
+  p.mutable_grad() = at::empty({o.numel}).uniform_(-1e-2, 1e-2);
+  torch::optim::AdamW opt({p}, torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
+  fsdp::detail::NvmeAdam::Options no;
+  no.nvme_path = o.dir;
+  no.job = "fsdp-bench-offload";
+  no.sub_group_size = o.sub_group_size;
+  no.aio = o.aio;
+  no.who = "[fsdp-bench offload]";
+  fsdp::detail::NvmeAdam nvme(opt, no);
+  nvme.step(opt);  // warm-up: the first step writes only
+  std::vector<double> times;
+  const int64_t io0 = nvme.io_bytes();
+  for (int i = 0; i < o.steps; ++i) {
+    auto t0 = Clock::now();
+    nvme.step(opt);
+    times.push_back(seconds_since(t0));
+  }
+  const int64_t moved = nvme.io_bytes() - io0;  // read + written
+  std::sort(times.begin(), times.end());
+  const double step_s = times[times.size() / 2];
+  const double per_dir = static_cast<double>(moved) / 2 / o.steps;  // read = written per step
+  const double ideal_s = per_dir / (out["disk"]["read_gb_s"].get<double>() * 1e9) +
+                         per_dir / (out["disk"]["write_gb_s"].get<double>() * 1e9);
+  out["step"] = {{"median_s", step_s},
+                 {"step_seconds", times},
+                 {"bytes_read_and_written_per_step", 2 * per_dir},
+                 {"achieved_gb_s", 2 * per_dir / step_s / 1e9},
+                 {"disk_time_at_measured_bandwidth_s", ideal_s},
+                 {"sub_groups", plan.num_sub_groups},
+                 {"swap_buffers_bytes", plan.ram_bytes}};
+  out["fraction_of_disk_bandwidth"] = ideal_s / step_s;
+  out["goal"] = ">= 0.5";
+  out["load_average_end"] = load_average();
+  std::cout << out.dump(2) << std::endl;
+  return 0;
+}
+
+const fsdp::bench::Registrar kRegistrar(
+    "offload",
+    "disk tier: O_DIRECT disk bandwidth vs the io_uring swapper and the pipelined NVMe Adam step",
+    run_offload);
+
+}  // namespace

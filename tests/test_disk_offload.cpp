@@ -1,0 +1,441 @@
+// The disk tier (ZeRO-Infinity's NVMe offload of optimizer state): the io_uring swapper's
+// round trip; NvmeAdam against torch's Adam/AdamW; ZeRO stage 2 and 3 with
+// offload_optimizer_device "nvme" against a single process (losses within 1e-5 relative) at
+// worlds 2 and 3 on Gloo and MPI, with the swap files present during training and gone after;
+// I/O errors (read-only directory, file size limit as a full disk, a write failing mid-run, a
+// corrupted or stale swap file) and the refused checkpoint.
+#include "fsdp/checkpoint.h"
+#include "fsdp/deepspeed.h"
+#include "fully_shard_common.h"
+#include "offload/aio.h"
+#include "offload/nvme_adam.h"
+#include "offload/swap_file.h"
+#include "testing.h"
+
+#include <gtest/gtest.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+
+#include <fcntl.h>
+#include <linux/capability.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+namespace fs = std::filesystem;
+using fsdp::testing::LoopConfig;
+using fsdp::testing::TinyLM;
+
+namespace {
+
+// A fresh directory for one test (the same path in every rank of it).
+std::string test_dir(const std::string& name) {
+  fs::path d = fs::temp_directory_path() / "fsdp_disk_tests" / name;
+  fs::create_directories(d);
+  return d.string();
+}
+
+// Runs `body` in a forked child (process-wide settings such as rlimits stay there); returns the
+// message of the exception it threw ("" when it returned normally). A failed expectation in
+// the child fails the test through the exit code.
+std::string in_child(const std::function<void()>& body) {
+  int fds[2];
+  EXPECT_EQ(::pipe(fds), 0);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::close(fds[0]);
+    std::string msg;
+    try {
+      body();
+    } catch (const std::exception& e) {
+      msg = e.what();
+    }
+    if (msg.empty()) msg = "<none>";
+    (void)!::write(fds[1], msg.data(), msg.size());
+    ::close(fds[1]);
+    ::_exit(::testing::Test::HasFailure() ? 3 : 0);
+  }
+  ::close(fds[1]);
+  std::string out;
+  char buf[4096];
+  for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) out.append(buf, static_cast<size_t>(n));
+  ::close(fds[0]);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child failed: " << out;
+  return out == "<none>" ? "" : out;
+}
+
+// Root ignores directory permissions (CAP_DAC_OVERRIDE); drop that in this (child) process so a
+// 0555 directory is read-only for it, as for any user.
+void drop_dac_override() {
+  if (::geteuid() != 0) return;
+  __user_cap_header_struct hdr{_LINUX_CAPABILITY_VERSION_3, 0};
+  __user_cap_data_struct data[2]{};
+  ASSERT_EQ(::syscall(SYS_capget, &hdr, data), 0);
+  for (int cap : {CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH}) {
+    data[cap / 32].effective &= ~(1u << (cap % 32));
+  }
+  ASSERT_EQ(::syscall(SYS_capset, &hdr, data), 0);
+}
+
+fsdp::DeepSpeedOptions nvme_options(int stage, const std::string& nvme_path) {
+  fsdp::DeepSpeedOptions o;
+  o.stage = stage;
+  o.reduce_bucket_size = 6000;
+  o.allgather_bucket_size = 9000;
+  o.stage3_param_persistence_threshold = 64;
+  o.offload_optimizer = true;
+  o.offload_optimizer_device = "nvme";
+  o.nvme_path = nvme_path;
+  o.sub_group_size = 5000;  // transformer-tiny's partition: several sub-groups, split parameters
+  o.aio.block_size = 8192;  // several requests per sub-group
+  o.aio.queue_depth = 4;
+  return o;
+}
+
+std::shared_ptr<fsdp::DeepSpeedStrategy> connected(const fsdp::DeepSpeedOptions& o) {
+  auto s = std::make_shared<fsdp::DeepSpeedStrategy>(o);
+  auto world = fsdp::world_group();
+  fsdp::LaunchInfo launch;
+  launch.rank = world->rank();
+  launch.world_size = world->size();
+  launch.local_world_size = world->size();
+  s->connect(world, launch);
+  return s;
+}
+
+void parity_with_disk(int world_size, const std::string& backend) {
+  const std::string root = test_dir("parity-" + backend + std::to_string(world_size));
+  fsdp::testing::run_ranks(world_size, backend, [&](fsdp::ProcessGroup& pg) {
+    for (int stage : {2, 3}) {
+      SCOPED_TRACE("ZeRO stage " + std::to_string(stage) + " with optimizer state on disk");
+      const std::string job = "job-s" + std::to_string(stage);
+      ::setenv("FSDP_JOB_ID", job.c_str(), 1);
+      const std::string rank_dir = root + "/" + job + "/rank" + std::to_string(pg.rank());
+      LoopConfig cfg;
+      cfg.steps = 6;
+      TinyLM ref;
+      auto want = fsdp::testing::train_reference(ref, cfg);
+      {
+        TinyLM lm;
+        auto strategy = connected(nvme_options(stage, root));
+        cfg.after_setup = [&](fsdp::Strategy&, fsdp::LightningModule&) {
+          ASSERT_NE(strategy->disk_plan(), nullptr);
+          EXPECT_GT(strategy->disk_plan()->num_sub_groups, 1);
+          EXPECT_EQ(static_cast<int64_t>(strategy->swap_files().size()),
+                    strategy->disk_plan()->num_sub_groups);
+        };
+        auto got = fsdp::testing::train_with(*strategy, lm, cfg);
+        fsdp::testing::expect_losses_close(got, want, 1e-5);
+        fsdp::testing::expect_params_close(strategy->gather_full_params(), ref, 1e-5);
+        // During training the state is in the swap files: they exist, are sealed records of
+        // the last write (one per step), and hold the plan's bytes.
+        ASSERT_TRUE(fs::is_directory(rank_dir)) << rank_dir;
+        int64_t bytes = 0;
+        for (const auto& f : strategy->swap_files()) {
+          ASSERT_TRUE(fs::exists(f)) << f;
+          bytes += static_cast<int64_t>(fs::file_size(f));
+          std::ifstream in(f, std::ios::binary);
+          fsdp::detail::SwapHeader h{};
+          in.read(reinterpret_cast<char*>(&h), sizeof h);
+          EXPECT_EQ(std::string(h.magic, 8), "FSDPSWP1") << f;
+          EXPECT_EQ(h.generation, static_cast<uint64_t>(cfg.steps)) << f;
+        }
+        EXPECT_EQ(bytes, strategy->disk_plan()->disk_bytes);
+      }
+      EXPECT_FALSE(fs::exists(rank_dir)) << "swap directory left after the strategy ended";
+    }
+  });
+}
+
+// Standalone NvmeAdam over a few tensors (no process group).
+struct Toy {
+  std::vector<at::Tensor> params;
+  std::shared_ptr<torch::optim::Optimizer> opt;
+  explicit Toy(bool adamw, uint64_t seed = 3) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+    for (int64_t n : {1000, 3001, 17}) {
+      params.push_back(at::randn({n}, gen).set_requires_grad(true));
+    }
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    if (adamw) {
+      groups.emplace_back(std::vector<at::Tensor>{params[0], params[1]},
+                          std::make_unique<torch::optim::AdamWOptions>(
+                              torch::optim::AdamWOptions(1e-2).weight_decay(0.1)));
+      groups.emplace_back(std::vector<at::Tensor>{params[2]},
+                          std::make_unique<torch::optim::AdamWOptions>(
+                              torch::optim::AdamWOptions(1e-2).weight_decay(0)));
+      opt = std::make_shared<torch::optim::AdamW>(groups, torch::optim::AdamWOptions(1e-2));
+    } else {
+      groups.emplace_back(std::vector<at::Tensor>{params[0], params[1]},
+                          std::make_unique<torch::optim::AdamOptions>(
+                              torch::optim::AdamOptions(1e-2).weight_decay(0.01)));
+      groups.emplace_back(std::vector<at::Tensor>{params[2]},
+                          std::make_unique<torch::optim::AdamOptions>(1e-2));
+      opt = std::make_shared<torch::optim::Adam>(groups, torch::optim::AdamOptions(1e-2));
+    }
+  }
+  void set_grads(int step) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(100 + step);
+    for (auto& p : params) p.mutable_grad() = at::randn(p.sizes(), gen);
+  }
+};
+
+fsdp::detail::NvmeAdam::Options toy_options(const std::string& dir, const std::string& job) {
+  fsdp::detail::NvmeAdam::Options o;
+  o.nvme_path = dir;
+  o.job = job;
+  o.sub_group_size = 700;  // 6 sub-groups, boundaries inside parameters
+  o.aio.block_size = 4096;
+  o.aio.queue_depth = 3;
+  return o;
+}
+
+}  // namespace
+
+TEST(DiskOffload, SwapperRoundTripsEveryAioSetting) {
+  const std::string dir = test_dir("swapper");
+  fsdp::detail::SwapDir sd(dir, "job", 0);
+  const int64_t bytes = 37 * 4096;
+  const int fd = sd.create("x.swp", bytes);
+  for (bool single : {false, true}) {
+    for (bool overlap : {true, false}) {
+      for (int par : {1, 3}) {
+        fsdp::AioOptions a;
+        a.block_size = 8192;
+        a.queue_depth = 2;
+        a.intra_op_parallelism = par;
+        a.single_submit = single;
+        a.overlap_events = overlap;
+        fsdp::detail::AioEngine engine(a);
+        fsdp::detail::AlignedBuffer out(bytes), in(bytes);
+        for (int64_t i = 0; i < bytes; ++i) out.data()[i] = static_cast<char>((i * 31 + par) ^ single);
+        engine.wait(engine.write(fd, out.data(), bytes, 0, sd.files()[0]));
+        engine.wait(engine.read(fd, in.data(), bytes, 0, sd.files()[0]));
+        EXPECT_EQ(std::memcmp(out.data(), in.data(), bytes), 0)
+            << "single_submit " << single << " overlap_events " << overlap << " par " << par;
+        EXPECT_EQ(engine.bytes_done(), 2 * bytes);
+      }
+    }
+  }
+  // Reading past the end of the reserved file is a short read: an error naming the file.
+  fsdp::detail::AioEngine engine({});
+  fsdp::detail::AlignedBuffer buf(2 * bytes);
+  try {
+    engine.wait(engine.read(fd, buf.data(), 2 * bytes, 0, sd.files()[0]));
+    ADD_FAILURE() << "no error for a short read";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("short read"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(sd.files()[0]), std::string::npos) << e.what();
+  }
+}
+
+TEST(DiskOffload, NvmeAdamMatchesTorchAdamAndAdamW) {
+  const std::string dir = test_dir("adam");
+  for (bool adamw : {false, true}) {
+    Toy ref(adamw), disk(adamw);
+    fsdp::detail::NvmeAdam nvme(*disk.opt, toy_options(dir, adamw ? "adamw" : "adam"));
+    EXPECT_EQ(nvme.plan().num_sub_groups, 6);  // ceil(4018 / 700)
+    for (int step = 0; step < 5; ++step) {
+      ref.set_grads(step);
+      disk.set_grads(step);
+      if (step == 2) {  // a parameter without a gradient keeps its state and step count
+        ref.params[2].mutable_grad() = at::Tensor();
+        disk.params[2].mutable_grad() = at::Tensor();
+      }
+      ref.opt->step();
+      nvme.step(*disk.opt);
+    }
+    EXPECT_TRUE(disk.opt->state().empty()) << "the torch optimizer must not hold the state";
+    for (size_t i = 0; i < ref.params.size(); ++i) {
+      EXPECT_TRUE(at::allclose(disk.params[i], ref.params[i], 1e-6, 1e-7))
+          << (adamw ? "AdamW" : "Adam") << " parameter " << i << " max diff "
+          << (disk.params[i] - ref.params[i]).abs().max().item<float>();
+    }
+    EXPECT_GT(nvme.io_bytes(), 0);
+  }
+  EXPECT_FALSE(fs::exists(dir + "/adam")) << "swap files left";
+}
+
+TEST(DiskOffload, CorruptedOrStaleSwapFileIsDetected) {
+  const std::string dir = test_dir("corrupt");
+  for (const std::string how : {"flip", "stale", "truncate"}) {
+    SCOPED_TRACE(how);
+    Toy toy(true);
+    fsdp::detail::NvmeAdam nvme(*toy.opt, toy_options(dir, "job-" + how));
+    toy.set_grads(0);
+    nvme.step(*toy.opt);
+    const std::string f = nvme.files()[3];
+    const std::string saved = dir + "/saved.bin";
+    fs::copy_file(f, saved, fs::copy_options::overwrite_existing);
+    toy.set_grads(1);
+    nvme.step(*toy.opt);
+    if (how == "flip") {  // one bit of exp_avg_sq flipped on disk
+      std::fstream io(f, std::ios::in | std::ios::out | std::ios::binary);
+      io.seekg(4096 + 3000);
+      char c = 0;
+      io.read(&c, 1);
+      c ^= 0x10;
+      io.seekp(4096 + 3000);
+      io.write(&c, 1);
+    } else if (how == "stale") {  // the previous step's record: a write that did not land
+      fs::copy_file(saved, f, fs::copy_options::overwrite_existing);
+    } else {
+      fs::resize_file(f, 4096 * 2);
+    }
+    toy.set_grads(2);
+    try {
+      nvme.step(*toy.opt);
+      ADD_FAILURE() << "a " << how << " swap file was used";
+    } catch (const c10::Error& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find(f), std::string::npos) << msg;
+      if (how == "flip") EXPECT_NE(msg.find("data checksum"), std::string::npos) << msg;
+      if (how == "stale") EXPECT_NE(msg.find("older or newer write"), std::string::npos) << msg;
+      if (how == "truncate") EXPECT_NE(msg.find("short read"), std::string::npos) << msg;
+    }
+    // Stopped for good: no later step uses state it could not read.
+    EXPECT_THROW(nvme.step(*toy.opt), c10::Error);
+  }
+}
+
+TEST(DiskOffload, ReadOnlyDirectoryIsOneClearError) {
+  const std::string dir = test_dir("readonly");
+  fs::permissions(dir, fs::perms::owner_read | fs::perms::owner_exec | fs::perms::group_read |
+                           fs::perms::group_exec | fs::perms::others_read |
+                           fs::perms::others_exec);
+  const std::string msg = in_child([&] {
+    drop_dac_override();
+    Toy toy(true);
+    fsdp::detail::NvmeAdam nvme(*toy.opt, toy_options(dir, "job"));
+  });
+  fs::permissions(dir, fs::perms::owner_all);
+  EXPECT_NE(msg.find("cannot create the swap directory '" + dir + "/job'"), std::string::npos)
+      << msg;
+  EXPECT_NE(msg.find("Permission denied"), std::string::npos) << msg;
+  EXPECT_FALSE(fs::exists(dir + "/job"));
+}
+
+// A full disk, simulated without root: RLIMIT_FSIZE below the swap files' size (SIGXFSZ
+// ignored, so the write returns EFBIG as a full disk returns ENOSPC). The reservation at setup
+// fails with the path and the bytes needed, and nothing is left behind.
+TEST(DiskOffload, FullDiskAtSetupNamesPathAndBytes) {
+  const std::string dir = test_dir("full");
+  const std::string msg = in_child([&] {
+    ::signal(SIGXFSZ, SIG_IGN);
+    rlimit lim{16384, 16384};
+    ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &lim), 0);
+    Toy toy(true);
+    fsdp::detail::NvmeAdam nvme(*toy.opt, toy_options(dir, "job"));  // records of ~9.2 KB: ok
+    auto big = toy_options(dir, "job-big");
+    big.sub_group_size = 100000;  // one record of 4096 + 2 * 16 KiB > 16 KiB
+    Toy toy2(true);
+    fsdp::detail::NvmeAdam nvme2(*toy2.opt, big);
+  });
+  EXPECT_NE(msg.find("cannot reserve 36864 bytes"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(dir + "/job-big/rank0/optimizer.subgroup0.swp"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("file size limit"), std::string::npos) << msg;
+  EXPECT_FALSE(fs::exists(dir + "/job-big")) << "swap files left after the error";
+  EXPECT_FALSE(fs::exists(dir + "/job")) << "swap files left after the error";
+}
+
+// The disk fills up during training: the write fails with the file, the bytes and the errno
+// text, the optimizer refuses to step again, and no checkpoint is published.
+TEST(DiskOffload, WriteFailingMidRunStopsTrainingClearly) {
+  const std::string dir = test_dir("midrun");
+  const std::string msg = in_child([&] {
+    ::signal(SIGXFSZ, SIG_IGN);
+    Toy toy(true);
+    fsdp::detail::NvmeAdam nvme(*toy.opt, toy_options(dir, "job"));
+    toy.set_grads(0);
+    nvme.step(*toy.opt);
+    rlimit lim{4096, 4096};  // now every payload write goes past the limit
+    ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &lim), 0);
+    toy.set_grads(1);
+    try {
+      nvme.step(*toy.opt);
+    } catch (const c10::Error& e) {
+      EXPECT_THROW(nvme.step(*toy.opt), c10::Error);  // stopped for good
+      throw;
+    }
+  });
+  EXPECT_NE(msg.find("writing"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("File too large"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(dir + "/job/rank0/optimizer.subgroup"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("needs"), std::string::npos) << msg;
+  EXPECT_FALSE(fs::exists(dir + "/job"));
+}
+
+TEST(DiskOffload, ParityStage2And3GlooWorld2) { parity_with_disk(2, "gloo"); }
+TEST(DiskOffload, ParityStage2And3GlooWorld3) { parity_with_disk(3, "gloo"); }
+TEST(DiskOffload, ParityStage2And3MpiWorld2) { parity_with_disk(2, "mpi"); }
+TEST(DiskOffload, ParityStage2And3MpiWorld3) { parity_with_disk(3, "mpi"); }
+
+// A checkpoint of a disk-offloaded optimizer is refused on every rank before it is published:
+// no checkpoint without its optimizer state appears.
+TEST(DiskOffload, CheckpointIsRefusedAndNothingPublished) {
+  const std::string root = test_dir("ckpt");
+  fsdp::testing::run_ranks(2, "gloo", [&](fsdp::ProcessGroup& pg) {
+    ::setenv("FSDP_JOB_ID", "job-ckpt", 1);
+    TinyLM lm;
+    auto strategy = connected(nvme_options(2, root));
+    LoopConfig cfg;
+    cfg.steps = 1;
+    std::shared_ptr<torch::optim::Optimizer> opt;
+    fsdp::testing::train_with(*strategy, lm, cfg);
+    opt = lm.configure_optimizers().optimizer;  // any optimizer: the refusal needs one
+    const std::string ckpt = root + "/ckpt-out";
+    try {
+      fsdp::save_checkpoint(ckpt, *strategy, lm, opt.get(), {}, fsdp::StateDictType::kSharded);
+      ADD_FAILURE() << "a checkpoint without the on-disk optimizer state was saved";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("not implemented yet"), std::string::npos) << e.what();
+    }
+    EXPECT_FALSE(fs::exists(ckpt)) << "a checkpoint was published";
+  });
+}
+
+TEST(DiskOffload, OptionsAndConfig) {
+  // Parameters on disk are not implemented: a clear error naming the option.
+  fsdp::DeepSpeedOptions p;
+  p.stage = 3;
+  p.offload_parameters = true;
+  p.offload_params_device = "nvme";
+  try {
+    fsdp::DeepSpeedStrategy s(p);
+    ADD_FAILURE() << "offload_params_device nvme accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("offload_params_device = \"nvme\""), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("not implemented yet"), std::string::npos);
+  }
+  EXPECT_THROW(fsdp::make_deepspeed_strategy("deepspeed_stage_3_offload_nvme"), c10::Error);
+  // The JSON config: offload_optimizer on nvme with the aio block.
+  auto o = fsdp::parse_deepspeed_config(R"({
+    "zero_optimization": {"stage": 2, "sub_group_size": 1000,
+      "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp/x", "buffer_count": 4,
+                            "pin_memory": true},
+      "offload_param": {"device": "none", "buffer_count": 6, "buffer_size": 1e7,
+                        "max_in_cpu": 2e9}},
+    "aio": {"block_size": 262144, "queue_depth": 16, "intra_op_parallelism": 2,
+            "single_submit": true, "overlap_events": false}})");
+  EXPECT_TRUE(o.offload_optimizer);
+  EXPECT_EQ(o.offload_optimizer_device, "nvme");
+  EXPECT_EQ(o.nvme_path, "/tmp/x");
+  EXPECT_EQ(o.aio.block_size, 262144);
+  EXPECT_EQ(o.aio.queue_depth, 16);
+  EXPECT_EQ(o.aio.intra_op_parallelism, 2);
+  EXPECT_TRUE(o.aio.single_submit);
+  EXPECT_FALSE(o.aio.overlap_events);
+  EXPECT_EQ(o.params_buffer_count, 6);
+  EXPECT_EQ(o.max_in_cpu, 2e9);
+  EXPECT_FALSE(o.offload_parameters);
+  EXPECT_THROW(fsdp::parse_deepspeed_config(R"({"aio": {"block_sz": 1}})"), c10::Error);
+  EXPECT_THROW(fsdp::parse_deepspeed_config(R"({"aio": {"queue_depth": "8"}})"), c10::Error);
+}
