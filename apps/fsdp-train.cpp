@@ -554,6 +554,11 @@ int run(const Args& a, const ModelSpec& spec_in) {
     fsdp::set_comm_hook(o, a.ddp_comm_hook, a.ddp_comm_wrapper, a.powersgd, a.post_local_sgd);
     t.strategy = std::make_shared<fsdp::DDPStrategy>(o);
   }
+  TORCH_CHECK((a.offload_optimizer_device.empty() && a.nvme_path.empty()) ||
+                  a.strategy.rfind("deepspeed", 0) == 0 || !a.deepspeed_config.empty(),
+              "[fsdp-train] --offload-optimizer-device / --nvme-path need a DeepSpeed strategy "
+              "(--strategy deepspeed_stage_2, deepspeed_stage_3, ...); --strategy ", a.strategy,
+              " has no disk tier");
   if (a.strategy.rfind("deepspeed", 0) == 0 || !a.deepspeed_config.empty()) {
     // DeepSpeed ZeRO; see include/fsdp/deepspeed.h. --deepspeed-config with --strategy auto
     // means "deepspeed", as Lightning's PL_DEEPSPEED_CONFIG_PATH with strategy="deepspeed".

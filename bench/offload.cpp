@@ -34,7 +34,6 @@
 #include <chrono>
 #include <cstring>
 #include <iostream>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -50,13 +49,6 @@ struct Options {
   fsdp::AioOptions aio;
   int steps = 3;
 };
-
-std::string load_average() {
-  std::istringstream in(fsdp::bench::read_text("/proc/loadavg"));
-  std::string a, b, c;
-  in >> a >> b >> c;
-  return a + " " + b + " " + c;
-}
 
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
@@ -120,7 +112,7 @@ int run_offload(const std::vector<std::string>& args) {
   if (auto code = fsdp::bench::parse_args(app, "offload", args)) return *code;
 
   json out;
-  out["load_average_start"] = load_average();
+  out["load_average_start"] = fsdp::bench::load_average();
   out["dir"] = o.dir;
   out["numel"] = o.numel;
   out["sub_group_size"] = o.sub_group_size;
@@ -168,7 +160,7 @@ int run_offload(const std::vector<std::string>& args) {
                  {"swap_buffers_bytes", plan.ram_bytes}};
   out["fraction_of_disk_bandwidth"] = ideal_s / step_s;
   out["goal"] = ">= 0.5";
-  out["load_average_end"] = load_average();
+  out["load_average_end"] = fsdp::bench::load_average();
   std::cout << out.dump(2) << std::endl;
   return 0;
 }
