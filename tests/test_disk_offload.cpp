@@ -28,6 +28,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 
 namespace fs = std::filesystem;
 using fsdp::testing::LoopConfig;
@@ -448,11 +449,11 @@ TEST(DiskOffload, OptionsAndConfig) {
 TEST(DiskOffload, FsdpTrainStage2NvmeMatchesRamAndLowersPeak) {
   const std::string nvme = test_dir("cli");
   const std::vector<std::string> common = {"--devices", "2", "--backend", "gloo", "--strategy",
-                                           "deepspeed_stage_2", "--max-steps", "6"};
+                                           "deepspeed_stage_2", "--vocab-size", "1024"};
   auto ram = fsdp::testing::fsdp_train_summary(common, "disk-ram");
   auto with = common;
   for (const char* f : {"--offload-optimizer-device", "nvme", "--nvme-path", nvme.c_str(),
-                        "--sub-group-size", "50000"}) {
+                        "--sub-group-size", "4096"}) {
     with.emplace_back(f);
   }
   auto disk = fsdp::testing::fsdp_train_summary(with, "disk-nvme");
@@ -464,15 +465,42 @@ TEST(DiskOffload, FsdpTrainStage2NvmeMatchesRamAndLowersPeak) {
     EXPECT_NEAR(b[i].get<double>(), a[i].get<double>(), 1e-5 * std::abs(a[i].get<double>()))
         << "step " << i;
   }
-  // transformer-tiny: ~0.9M parameters, rank 0's partition ~0.45M: 3.6 MB of moments in RAM
-  // without offload, 3 x 0.4 MB of buffers with it.
+  // transformer-tiny at vocabulary 1024: ~109k parameters, a partition of ~55k: 0.42 MiB of
+  // moments in RAM without offload, 3 x 36 KiB of sub-group buffers with it.
   for (size_t r = 0; r < 2; ++r) {
     const double pr = ram["peak_alloc_mb"][r].get<double>();
     const double pd = disk["peak_alloc_mb"][r].get<double>();
     std::cerr << "rank " << r << " tracked peak: RAM " << pr << " MB, disk tier " << pd << " MB\n";
-    EXPECT_LT(pd, pr - 1.5) << "rank " << r;
+    EXPECT_LT(pd, pr - 0.2) << "rank " << r;
   }
   EXPECT_TRUE(fs::is_empty(nvme)) << "swap files left under " << nvme;
+
+  // A memory budget between the two peaks (and above both setups'): the disk tier trains under
+  // it, the same run with the moments in RAM is refused by the tracking allocator.
+  const double budget_mb = (ram["peak_alloc_mb"][0].get<double>() +
+                            disk["peak_alloc_mb"][0].get<double>()) / 2;
+  for (const char* key : {"setup_peak_alloc_mb", "peak_alloc_mb"}) {
+    for (size_t r = 0; r < 2; ++r) {
+      ASSERT_LT(disk[key][r].get<double>(), budget_mb) << key << " rank " << r;
+    }
+  }
+  const std::map<std::string, std::string> env = {
+      {"FSDP_MEMORY_BUDGET", std::to_string(static_cast<int64_t>(budget_mb * 1024 * 1024))}};
+  auto run = [&](const std::vector<std::string>& extra) {
+    std::vector<std::string> argv = {fsdp::testing::bin_path("fsdp-train"), "--model",
+                                     "transformer-tiny", "--data", "synthetic", "--dropout", "0",
+                                     "--seed", "7", "--max-steps", "10", "--no-progress-bar",
+                                     "--default-root-dir", nvme + "/../cli-logs"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    return fsdp::testing::run_process(argv, env);
+  };
+  const auto under = run(with);
+  EXPECT_EQ(under.exit_code, 0) << "budget " << budget_mb << " MB\n" << under.err;
+  const auto over = run(common);
+  EXPECT_NE(over.exit_code, 0) << "the state in RAM fit the budget " << budget_mb << " MB";
+  EXPECT_NE(over.err.find("budget"), std::string::npos) << over.err;
+  EXPECT_TRUE(fs::is_empty(nvme)) << "swap files left under " << nvme;
+
   const auto dry = fsdp::testing::run_process(
       {fsdp::testing::bin_path("fsdp-train"), "--model", "transformer-tiny", "--devices", "2",
        "--dry-run", "--offload-optimizer-device", "nvme", "--nvme-path", nvme});
