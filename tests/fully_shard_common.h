@@ -100,6 +100,19 @@ struct LoopConfig {
   std::function<void(fsdp::Strategy&, fsdp::LightningModule&)> after_setup;
 };
 
+// Connects `strategy` to the world group as the Trainer would (every rank on this host) and
+// returns it.
+template <typename S>
+std::shared_ptr<S> connect_to_world(std::shared_ptr<S> strategy) {
+  auto world = fsdp::world_group();
+  fsdp::LaunchInfo launch;
+  launch.rank = world->rank();
+  launch.world_size = world->size();
+  launch.local_world_size = world->size();
+  strategy->connect(world, launch);
+  return strategy;
+}
+
 // The global batch of step s (same on every rank and in the reference).
 inline fsdp::Batch global_batch(int step, int64_t rows) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 + step);

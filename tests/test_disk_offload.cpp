@@ -103,14 +103,7 @@ fsdp::DeepSpeedOptions nvme_options(int stage, const std::string& nvme_path) {
 }
 
 std::shared_ptr<fsdp::DeepSpeedStrategy> connected(const fsdp::DeepSpeedOptions& o) {
-  auto s = std::make_shared<fsdp::DeepSpeedStrategy>(o);
-  auto world = fsdp::world_group();
-  fsdp::LaunchInfo launch;
-  launch.rank = world->rank();
-  launch.world_size = world->size();
-  launch.local_world_size = world->size();
-  s->connect(world, launch);
-  return s;
+  return fsdp::testing::connect_to_world(std::make_shared<fsdp::DeepSpeedStrategy>(o));
 }
 
 void parity_with_disk(int world_size, const std::string& backend) {
