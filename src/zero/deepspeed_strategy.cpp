@@ -49,7 +49,8 @@ void check_device(const std::string& what, const std::string& device) {
 // 3 fits. Refuse that before the first byte of gradient or optimizer state is allocated, as FSDP
 // and DDP do (ZeRO's per-parameter bytes: docs/design.md "ZeRO stages"): params whole; grads
 // whole (stage 1) or a 1/N partition plus one reduce bucket (stage 2); Adam's two fp32 moments
-// for a 1/N partition. Other optimizers' state differs; Adam's is what the stages are sized for.
+// for a 1/N partition (none in RAM when they are on disk). Other optimizers' state differs;
+// Adam's is what the stages are sized for.
 void check_zero_budget(const DeepSpeedOptions& o, int rank, int world,
                        const std::vector<std::pair<std::string, at::Tensor>>& params) {
   const int64_t budget = memory_budget();
@@ -67,7 +68,10 @@ void check_zero_budget(const DeepSpeedOptions& o, int rank, int world,
       o.stage == 1 ? trainable * grad_element
                    : partition * 4 + std::min<int64_t>(trainable, static_cast<int64_t>(
                                                                       o.reduce_bucket_size)) * 4;
-  const int64_t adam_bytes = partition * 8;
+  // With offload_optimizer_device "nvme" the moments live in swap files, not in RAM (the disk
+  // tier's own plan checks its buffers and the disk).
+  const bool adam_on_disk = o.offload_optimizer && o.offload_optimizer_device == "nvme";
+  const int64_t adam_bytes = adam_on_disk ? 0 : partition * 8;
   const int64_t need = param_bytes + grad_bytes + adam_bytes;
   if (need <= budget) return;
   std::ostringstream os;
