@@ -117,7 +117,8 @@ NvmeAdam::NvmeAdam(torch::optim::Optimizer& optimizer, Options options)
   if (budget > 0) {
     const int64_t need = memory_stats().current_bytes + plan_.ram_bytes;
     if (need > budget) {
-      throw OutOfMemoryError(who + " rank " + std::to_string(options_.rank) +
+      throw OutOfMemoryError(c10::SourceLocation{__func__, __FILE__, __LINE__},
+                             who + " rank " + std::to_string(options_.rank) +
                              ": the disk tier's swap buffers need " +
                              format_bytes(plan_.ram_bytes) + " of RAM on top of " +
                              format_bytes(memory_stats().current_bytes) + " in use, budget " +
