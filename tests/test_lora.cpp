@@ -79,12 +79,21 @@ TEST(Lora, PeftAdaptersLoadBothWays) {
   auto ours_4bit = fsdp::load_llama(base, q);
   run_hf_reference({"peft-logits", base, ours, dir + "/in.safetensors", dir + "/ours.safetensors",
                     ";", "peft-logits", base, ours, dir + "/in.safetensors",
+                    dir + "/ours_merged.safetensors", "--merge",
+                    ";", "peft-logits", base, ours, dir + "/in.safetensors",
                     dir + "/ours4.safetensors", "--4bit"});
   const at::Tensor want = read_tensors(dir + "/ours.safetensors").at("logits");
   const at::Tensor got = logits(*ours_dense, ids);
   EXPECT_LE(max_abs_diff(got, want), 1e-4);
-  // The adapter matters: without it the logits differ.
-  fsdp::merge_lora(*ours_dense);  // (merged == adapter applied)
+  // merge_and_unload. The base ties lm_head to the embeddings and lm_head is a target: PEFT
+  // merges its delta into the shared table, so the input embeddings change too and the merged
+  // model is not the adapted one (their logits differ by far more than rounding); ours merges
+  // the same way. Unmerging gives the adapted model back.
+  const at::Tensor want_merged = read_tensors(dir + "/ours_merged.safetensors").at("logits");
+  EXPECT_GT(max_abs_diff(want_merged, want), 1e-2);
+  fsdp::merge_lora(*ours_dense);
+  EXPECT_LE(max_abs_diff(logits(*ours_dense, ids), want_merged), 1e-4);
+  fsdp::unmerge_lora(*ours_dense);
   EXPECT_LE(max_abs_diff(logits(*ours_dense, ids), want), 1e-4);
   const at::Tensor want4 = read_tensors(dir + "/ours4.safetensors").at("logits");
   const at::Tensor got4 = logits(*ours_4bit, ids);
