@@ -56,8 +56,14 @@ TEST(Lora, PeftAdaptersLoadBothWays) {
   std::string targets;
   for (const auto& t : kAllTargets) targets += (targets.empty() ? "" : ",") + t;
   // 1. PEFT makes an adapter; its logits.
-  run_hf_reference({"make-llama", base, "--tied", ";", "peft-make", base, theirs, "--r", "4",
-                    "--alpha", "8", "--targets", targets, ";", "peft-logits", base, theirs,
+  // --inter 128: every quantized layer's in_features a multiple of the NF4 block (64), as in
+  // every real Llama. bitsandbytes 0.50.2's CPU dequantize_4bit kernel (what bnb.nn.Linear4bit
+  // runs on CPU) indexes the absmax per row, absmax[row * (in / 64) + col / 64], which reads the
+  // wrong scale when in % 64 != 0 (down_proj of a 96-wide MLP: logits off by 0.02); its
+  // quantizer and its generic backend (_dequantize_4bit_compute) use flat blocks of 64, as
+  // fsdp.cpp does.
+  run_hf_reference({"make-llama", base, "--tied", "--inter", "128", ";", "peft-make", base, theirs,
+                    "--r", "4", "--alpha", "8", "--targets", targets, ";", "peft-logits", base, theirs,
                     dir + "/in.safetensors", dir + "/theirs.safetensors"});
   fsdp::HfLoadOptions o;
   o.adapter_dir = theirs;
