@@ -37,5 +37,9 @@ std::optional<int> parse_args(CLI::App& app, const std::string& subcommand,
                               const std::vector<std::string>& args);
 // Directory of the running fsdp-bench, where the other programs (fsdp-train, ...) are built.
 std::filesystem::path self_dir();
+// Bytes read + written per second by an in-place fp32 stream (a += b over 256 MiB, best of 3)
+// at the current at::get_num_threads(): the bandwidth an in-place optimizer pass gets
+// (bench/bandwidth.cpp says why not at::copy_).
+double update_bandwidth();
 
 }  // namespace fsdp::bench

@@ -4,12 +4,13 @@
 //                       [--steps 3] [--warmup 1] [--no-deepspeed]
 //
 // per thread count (at::set_num_threads):
-//   copy bandwidth   best of 3 at::copy_ of a 256 MiB fp32 tensor: (read + written bytes) / s
+//   bandwidth        fsdp::bench::update_bandwidth(): an in-place a += b over 256 MiB, best of 3,
+//                    (read + written bytes) / s, the access pattern of an in-place Adam pass
 //   torch_adam(w)    libtorch's torch::optim::Adam / AdamW (weight decay 0.01)
 //   cpu_adam(w)      fsdp::optim::CPUAdam, adamw_mode false / true, the same settings
 //   cpu_adamw_bf16   CPUAdam over bf16 parameters and gradients (fp32 state)
 //   floor            bytes one fused pass must move per element (fp32: p, g, m, v read and p,
-//                    m, v written = 28 B; bf16 parameters: 22 B) x numel / copy bandwidth
+//                    m, v written = 28 B; bf16 parameters: 22 B) x numel / bandwidth
 //   deepspeed        DeepSpeedCPUAdam (adamw_mode) from FSDP_PYTHON's deepspeed, built by its op
 //                    builder with DS_ACCELERATOR=cpu, in bench/peers/deepspeed_cpu_adam.py on
 //                    the same sizes (and PyTorch's own torch.optim.AdamW(fused=True) beside it);
@@ -70,20 +71,6 @@ double seconds_since(Clock::time_point t0) {
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0.0 : v[v.size() / 2];
-}
-
-// Read + written bytes per second of one large at::copy_, best of 3.
-double copy_bandwidth() {
-  const int64_t n = 64 << 20;  // 256 MiB of fp32
-  at::Tensor src = at::rand({n}), dst = at::empty({n});
-  dst.copy_(src);
-  double best = 1e30;
-  for (int i = 0; i < 3; ++i) {
-    auto t0 = Clock::now();
-    dst.copy_(src);
-    best = std::min(best, seconds_since(t0));
-  }
-  return 2.0 * 4.0 * static_cast<double>(n) / best;
 }
 
 // The parameters (with gradients) the optimizers step: numel elements in tensors.
@@ -171,8 +158,8 @@ int run_cpu_adam(const std::vector<std::string>& args) {
   for (int threads : thread_counts) {
     at::set_num_threads(threads);
     json r = {{"threads", threads}};
-    const double bw = copy_bandwidth();
-    r["copy_bandwidth_gb_s"] = bw / 1e9;
+    const double bw = fsdp::bench::update_bandwidth();
+    r["bandwidth_gb_s"] = bw / 1e9;
     const double floor32 = 28.0 * static_cast<double>(o.numel) / bw;
     const double floor16 = 22.0 * static_cast<double>(o.numel) / bw;
     r["floor_s"] = {{"fp32", floor32}, {"bf16_params", floor16}};
@@ -222,7 +209,7 @@ int run_cpu_adam(const std::vector<std::string>& args) {
   out["runs"] = runs;
   out["load_average_end"] = load_average();
 
-  std::cerr << "\n| threads | copy GB/s | torch Adam | torch AdamW | CPUAdam | CPUAdamW | "
+  std::cerr << "\n| threads | in-place GB/s | torch Adam | torch AdamW | CPUAdam | CPUAdamW | "
                "CPUAdamW bf16 | floor fp32 | CPUAdamW vs torch AdamW | floor / CPUAdamW | "
                "DeepSpeedCPUAdam | vs DeepSpeed |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n";
   for (const auto& r : runs) {
@@ -249,7 +236,7 @@ int run_cpu_adam(const std::vector<std::string>& args) {
       }
     }
     char bw[32], fl[32];
-    std::snprintf(bw, sizeof bw, "%.1f", field(r, "copy_bandwidth_gb_s"));
+    std::snprintf(bw, sizeof bw, "%.1f", field(r, "bandwidth_gb_s"));
     std::snprintf(fl, sizeof fl, "%.3f s", r["floor_s"]["fp32"].get<double>());
     std::cerr << "| " << r["threads"].get<int>() << " | " << bw << " | " << s(r["torch_adam"])
               << " | " << s(r["torch_adamw"]) << " | " << s(r["cpu_adam"]) << " | "

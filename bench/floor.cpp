@@ -17,7 +17,7 @@
 //               attention's two batched matmuls per block are left out (their flops are printed:
 //               under 1% of the Linear flops at these lengths);
 //   optimizer = Adam's memory traffic per rank (fp32 read p, g, m, v; write p, m, v: 28 B per
-//               element of the rank's shard) / the measured at::copy_ bandwidth (read + write);
+//               element of the rank's shard) / the measured in-place bandwidth (bench/bandwidth.cpp);
 //   comm      = FULL_SHARD's collective bytes per rank (all-gather of the parameters in forward
 //               and again in backward, reduce-scatter of the gradients) / the algorithmic
 //               bandwidth `fsdp-bench comm` measures for the backend at the world size, 64 MiB.
@@ -146,14 +146,6 @@ json compute_floor(const std::string& model, int64_t vocab, int64_t tokens, int6
           {"linears", rows}};
 }
 
-// Copy bandwidth (read + written bytes per second) of at::copy_ on 256 MiB fp32, best of 3.
-double copy_bandwidth() {
-  auto a = at::randn({64 << 20});
-  auto b = at::empty_like(a);
-  const double t = best_seconds([&] { b.copy_(a); }, 3);
-  return 2.0 * a.nbytes() / t;
-}
-
 // libtorch's Adam step on `n` fp32 elements: seconds per element (for the record beside the
 // bandwidth floor; the floor itself uses the bandwidth).
 double adam_seconds_per_element(int64_t n) {
@@ -279,17 +271,17 @@ int run_floor(const std::vector<std::string>& args) {
   }
   const int64_t params = train["params"].get<int64_t>();
 
-  std::cerr << "[fsdp-bench floor] measuring matmul, copy and collective rates..." << std::endl;
+  std::cerr << "[fsdp-bench floor] measuring matmul, memory and collective rates..." << std::endl;
   at::set_num_threads(threads);
   json compute = compute_floor(run.model, run.vocab_size, run.batch_size * run.block_size, run.block_size);
-  const double copy_bw = copy_bandwidth();
+  const double update_bw = fsdp::bench::update_bandwidth();
   const int64_t shard = (params + run.devices - 1) / run.devices;
-  const double optimizer_floor = 28.0 * static_cast<double>(shard) / copy_bw;
+  const double optimizer_floor = 28.0 * static_cast<double>(shard) / update_bw;
   const double adam_spe = adam_seconds_per_element(int64_t{16} << 20);
   json comm = collective_bandwidth(backend, run.devices, run.dir);
   json floor{{"compute_seconds", compute["seconds"]},
              {"optimizer_seconds", optimizer_floor},
-             {"copy_gbps", copy_bw / 1e9},
+             {"memory_gbps", update_bw / 1e9},
              {"libtorch_adam_seconds_for_shard", adam_spe * static_cast<double>(shard)},
              {"compute", compute},
              {"collectives", comm}};
@@ -318,7 +310,7 @@ int run_floor(const std::vector<std::string>& args) {
     << measured.value("forward_seconds", 0.0) + measured.value("backward_seconds", 0.0) << " | "
     << compute["seconds"].get<double>() << " (matmuls) |\n"
     << "| optimizer | " << measured.value("optimizer_seconds", 0.0) << " | " << optimizer_floor
-    << " (28 B/elem at " << copy_bw / 1e9 << " GB/s) |\n"
+    << " (28 B/elem at " << update_bw / 1e9 << " GB/s) |\n"
     << "| collectives (comm thread busy) | " << measured.value("comm_seconds", 0.0) << " | "
     << comm_floor << " |\n"
     << "step / floor = " << out["step_over_floor"].get<double>() << " (goal <= 1.5)\n";
@@ -495,14 +487,14 @@ int run_llmc_bench(const std::vector<std::string>& args) {
 
   at::set_num_threads(threads);
   json compute = compute_floor("gpt2-124m", 0, B * T, T);
-  const double copy_bw = copy_bandwidth();
+  const double update_bw = fsdp::bench::update_bandwidth();
   const int64_t params = fsdp::demos::model_parameter_count("gpt2-124m");
-  const double optimizer_floor = 28.0 * static_cast<double>(params) / copy_bw;
+  const double optimizer_floor = 28.0 * static_cast<double>(params) / update_bw;
   const double floor_s = compute["seconds"].get<double>() + optimizer_floor;
   out["floor"] = {{"seconds", floor_s},
                   {"compute_seconds", compute["seconds"]},
                   {"optimizer_seconds", optimizer_floor},
-                  {"copy_gbps", copy_bw / 1e9},
+                  {"memory_gbps", update_bw / 1e9},
                   {"compute", compute}};
   if (!measured.is_null()) {
     const double ours = measured["step_seconds"].get<double>();

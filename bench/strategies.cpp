@@ -13,6 +13,7 @@
 // layers recompute their activations in backward).
 #include "bench.h"
 #include "../apps/cli.h"
+#include "runs.h"
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -46,6 +47,7 @@ struct Config {
   std::string fsdp_train;
   std::string work_dir;
   bool json_only = false;
+  std::string only;  // comma list of column labels to run (empty: all)
 };
 
 std::string quote(const std::string& s) {
@@ -143,6 +145,10 @@ int run_strategies(const std::vector<std::string>& args) {
   app.add_option("--fsdp-train", c.fsdp_train, "path of fsdp-train (default: beside fsdp-bench)");
   app.add_option("--work-dir", c.work_dir, "logs and summaries (default: a fresh /tmp dir)");
   app.add_flag("--json", c.json_only, "JSON on stdout (always; the table goes to stderr)");
+  app.add_option("--strategies", c.only,
+                 "comma list of columns to run (DDP, NO_SHARD, SHARD_GRAD_OP, FULL_SHARD, "
+                 "FULL_SHARD+AC, FULL_SHARD+bf16-mixed, ZeRO-1, ZeRO-2, ZeRO-3, HYBRID_SHARD; "
+                 "default all); ratios are to DDP when it ran");
   if (auto status = fsdp::bench::parse_args(app, "strategies", args)) return *status;
   if (c.fsdp_train.empty()) c.fsdp_train = (fsdp::bench::self_dir() / "fsdp-train").string();
   if (!fs::exists(c.fsdp_train)) {
@@ -183,8 +189,26 @@ int run_strategies(const std::vector<std::string>& args) {
                              std::to_string(c.devices / 2)})});
   }
 
+  if (!c.only.empty()) {
+    std::vector<Entry> chosen;
+    for (const auto& label : fsdp::bench::split_list(c.only)) {
+      auto it = std::find_if(entries.begin(), entries.end(),
+                             [&](const Entry& e) { return e.label == label; });
+      if (it == entries.end()) {
+        std::string valid;
+        for (const auto& e : entries) valid += (valid.empty() ? "" : ", ") + e.label;
+        std::cerr << "fsdp-bench strategies: error: --strategies: unknown column '" << label
+                  << "' at " << c.devices << " ranks; valid: " << valid << "\n";
+        return 2;
+      }
+      chosen.push_back(*it);
+    }
+    entries = chosen;
+  }
+
   json out;
   out["bench"] = "strategies";
+  out["load_average_start"] = fsdp::bench::load_average();
   out["config"] = {{"model", c.model},           {"vocab_size", c.vocab_size}, {"devices", c.devices},
                    {"steps", c.steps},           {"timed_steps", c.steps - 1},
                    {"batch_size_per_rank", c.batch_size}, {"block_size", c.block_size},
@@ -192,8 +216,10 @@ int run_strategies(const std::vector<std::string>& args) {
                    {"dropout", 0},               {"data", "synthetic"}};
   json results = json::array();
   for (const auto& e : entries) results.push_back(run_one(c, e));
-  const json& ddp = results[0];
-  const bool have_ddp = ddp.contains("it_per_s");
+  auto ddp_it = std::find_if(results.begin(), results.end(),
+                             [](const json& r) { return r["strategy"] == "DDP"; });
+  const bool have_ddp = ddp_it != results.end() && ddp_it->contains("it_per_s");
+  const json ddp = have_ddp ? *ddp_it : json::object();
   for (auto& r : results) {
     if (!r.contains("it_per_s") || !have_ddp) continue;
     r["peak_alloc_ratio_to_ddp"] = r["peak_alloc_mb"].get<double>() / ddp["peak_alloc_mb"].get<double>();
@@ -201,6 +227,7 @@ int run_strategies(const std::vector<std::string>& args) {
     r["it_per_s_ratio_to_ddp"] = r["it_per_s"].get<double>() / ddp["it_per_s"].get<double>();
   }
   out["results"] = results;
+  out["load_average_end"] = fsdp::bench::load_average();
   std::cout << out.dump(2) << std::endl;
 
   // Markdown table (stderr), laid out like the reference's.

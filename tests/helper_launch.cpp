@@ -2,7 +2,9 @@
 // fsdp-run's / mpirun's ranks), prints what each rank sees, and lets one rank fail in a chosen
 // way while the others wait (as ranks blocked in a collective would).
 //
-//   helper_launch --devices 3 --fail-rank 2 --how throw|abort|sigkill|exit|segv|fail_rank
+//   helper_launch --devices 3 --fail-rank 2 --how throw|abort|sigkill|exit|segv|fail_rank|oom
+//
+// oom: the rank touches 64 MiB blocks until the kernel kills it (run it in a memory cgroup).
 #include <ATen/Parallel.h>
 #include <signal.h>
 #include <unistd.h>
@@ -10,9 +12,12 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "fsdp/comm.h"
 #include "fsdp/launcher.h"
@@ -80,6 +85,15 @@ int main(int argc, char** argv) {
     if (how == "abort") std::abort();
     if (how == "sigkill") ::raise(SIGKILL);
     if (how == "segv") ::raise(SIGSEGV);
+    if (how == "oom") {
+      std::vector<std::unique_ptr<char[]>> blocks;
+      for (int i = 0; i < 128; ++i) {  // 8 GiB at most
+        blocks.emplace_back(new char[64 << 20]);
+        std::memset(blocks.back().get(), i + 1, 64 << 20);
+      }
+      std::fprintf(stderr, "helper: rank %d holds 8 GiB and was not killed\n", info.rank);
+      return 9;
+    }
     if (how == "exit") {
       std::fprintf(stderr, "helper: rank %d exits with status 7\n", info.rank);
       return 7;

@@ -264,6 +264,46 @@ TEST(DeepSpeedMemory, ModelStateBytesMatchZeroFormulasWorld4) {
   });
 }
 
+// Stages 1 and 2 keep every parameter whole: with a budget that holds stage 3's state but not
+// theirs, setup refuses them with the sizes and the way out, before any state is allocated (a
+// transformer-1b at world 2 was killed by the kernel's OOM killer instead, before this check).
+TEST(DeepSpeedMemory, StagesThatCannotFitTheBudgetAreRefusedAtSetupWorld2) {
+  fsdp::testing::run_ranks(2, "gloo", [](fsdp::ProcessGroup& world) {
+    fsdp::install_tracking_allocator();
+    const int64_t psi = 16 * (64 * 64 + 64);
+    for (int stage : {1, 2, 3}) {
+      WideNet net;
+      fsdp::DeepSpeedOptions o;
+      o.stage = stage;
+      o.reduce_bucket_size = 64 * 64 + 64;
+      auto s = connected(o);
+      fsdp::configure_model_with(*s, net);
+      // The parameters exist (4 psi B). Model state per rank: stage 1 4 + 4 + 8/2 = 12 psi B,
+      // stage 2 4 + 12/2 = 10 psi B + one bucket (0.25 psi), stage 3 16/2 = 8 psi B + two
+      // unsharded one-layer units (0.5 psi). A budget of ~9.6 psi B sits between 3 and 2.
+      const int64_t allocated = fsdp::memory_stats().current_bytes;
+      fsdp::set_memory_budget(allocated + 56 * psi / 10);
+      std::string message;
+      try {
+        s->setup_module(net);
+      } catch (const fsdp::OutOfMemoryError& e) {
+        message = e.what_without_backtrace();
+      }
+      fsdp::set_memory_budget(0);
+      if (stage == 3) {
+        EXPECT_EQ(message, "") << "stage 3 partitions the parameters too and fits";
+        continue;
+      }
+      EXPECT_NE(message.find("ZeRO stage " + std::to_string(stage) + " needs"), std::string::npos)
+          << message;
+      EXPECT_NE(message.find("whole params 260.00 KiB"), std::string::npos) << message;
+      EXPECT_NE(message.find("(rank " + std::to_string(world.rank()) + " of 2)"),
+                std::string::npos) << message;
+      EXPECT_NE(message.find("'deepspeed_stage_3'"), std::string::npos) << message;
+    }
+  });
+}
+
 // --- ZeRO-3: stage3_prefetch_bucket_size and stage3_max_live_parameters ----------------------
 
 namespace {

@@ -2,6 +2,7 @@
 // Multi-process cases run tests/helper_launch (see there) as real processes.
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -318,6 +319,53 @@ TEST(FsdpRun, FailingRankStopsAll) {
   EXPECT_EQ(count(r.err, "fsdp-run: rank 1 exited with status 1; stopping all 3 ranks"), 1u)
       << r.err;
   for (int pid : printed_pids(r.out)) EXPECT_TRUE(process_gone(pid));
+}
+
+// A rank the kernel's OOM killer ends is named as such (SIGKILL alone says nothing about why).
+TEST(OomKill, ExplanationOnlyForAnUnsentSigkillWhileTheCountRose) {
+  auto status_of = [](int sig) {
+    pid_t pid = ::fork();
+    if (pid == 0) {
+      ::raise(sig);
+      ::_exit(0);
+    }
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    return status;
+  };
+  const int killed = status_of(SIGKILL), terminated = status_of(SIGTERM);
+  const std::string text = fsdp::detail::oom_kill_explanation(killed, false, 3, 4);
+  EXPECT_NE(text.find("OOM killer ran during this job (/proc/vmstat oom_kill 3 -> 4)"),
+            std::string::npos) << text;
+  EXPECT_NE(text.find("FSDP_MEMORY_BUDGET"), std::string::npos) << text;
+  EXPECT_EQ(fsdp::detail::oom_kill_explanation(killed, true, 3, 4), "") << "we sent the SIGKILL";
+  EXPECT_EQ(fsdp::detail::oom_kill_explanation(killed, false, 3, 3), "") << "no OOM kill";
+  EXPECT_EQ(fsdp::detail::oom_kill_explanation(killed, false, -1, -1), "") << "count unknown";
+  EXPECT_EQ(fsdp::detail::oom_kill_explanation(terminated, false, 3, 4), "") << "not SIGKILL";
+  EXPECT_GE(fsdp::detail::kernel_oom_kills(), 0) << "this kernel has /proc/vmstat oom_kill";
+}
+
+// The real thing: fsdp-run and its ranks in a 256 MiB memory cgroup (v1, as on these machines),
+// rank 1 allocating until the kernel kills it. Needs a writable memory cgroup (root); skipped
+// with the reason otherwise.
+TEST(OomKill, RankKilledByTheKernelIsNamedByFsdpRun) {
+  const std::filesystem::path root = "/sys/fs/cgroup/memory";
+  const std::filesystem::path cg = root / ("fsdp-test-oom-" + std::to_string(::getpid()));
+  std::error_code ec;
+  if (!std::filesystem::create_directory(cg, ec)) {
+    GTEST_SKIP() << "no writable memory cgroup at " << root << " (" << ec.message() << ")";
+  }
+  { std::ofstream(cg / "memory.limit_in_bytes") << (256 << 20); }
+  const std::string sh = "echo $$ > '" + (cg / "cgroup.procs").string() + "' && exec '" +
+                         fsdp::testing::bin_path("fsdp-run") + "' -n 2 -- '" + helper() +
+                         "' --fail-rank 1 --how oom --delay 0";
+  ProcResult r = run_process({"/bin/sh", "-c", sh}, {}, 120);
+  std::filesystem::remove(cg, ec);  // empty once every process in it has exited
+  EXPECT_NE(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.err.find("was not killed"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("fsdp-run: rank 1 was killed by signal 9"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("the kernel's OOM killer ran during this job"), std::string::npos)
+      << r.err;
 }
 
 TEST(FsdpRun, MultiNodeNeedsAPort) {

@@ -17,6 +17,9 @@ PyTorch 2.13's batched_powerSGD_hook raises AssertionError at its first compress
 passes the bucket's 2-D Q to _orthogonalize, which accepts only batches of 3-D): the run stops
 there and reports the error, with the step and PyTorch's source line, as its JSON "error" (the
 row stays in the benchmark table as that error; nothing is patched).
+PyTorch 2.13 refuses bf16_compress_hook (and the bf16 wrapper) unless CUDA 11+ with NCCL 2.10+
+or XPU with XCCL is present: on this CPU build register_comm_hook raises TypeError, reported the
+same way (fsdp.cpp's bf16 rows then have no PyTorch row to compare with).
 post_localSGD_hook with subgroup=None calls dist.new_subgroups(), which needs CUDA to pick a
 size; the subgroups are made here with the given --subgroup-size.
 """
@@ -49,8 +52,9 @@ class ByteCounter:
         dist.all_reduce = counted
 
 
-def describe_failure(exc, step):
-    """One line: the exception, the step and the innermost PyTorch source line it came from."""
+def describe_failure(exc, when):
+    """One line: the exception, when it happened ("at step 3") and the innermost PyTorch source
+    line it came from."""
     import traceback
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if "torch" in f.filename]
     where = ""
@@ -58,9 +62,8 @@ def describe_failure(exc, step):
         f = frames[-1]
         where = " in %s:%d (%s: `%s`)" % (f.filename.split("site-packages/")[-1], f.lineno,
                                            f.name, (f.line or "").strip())
-    return "PyTorch %s raised %s%s at step %d%s" % (
-        torch.__version__, type(exc).__name__, (": " + str(exc)) if str(exc) else "", step + 1,
-        where)
+    return "PyTorch %s raised %s%s %s%s" % (
+        torch.__version__, type(exc).__name__, (": " + str(exc)) if str(exc) else "", when, where)
 
 
 def register(ddp, args):
@@ -106,7 +109,14 @@ def train(rank, args, port, queue):
     model = mirror.build_model(args)
     params = sum(p.numel() for p in model.parameters())
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
-    averager = register(ddp, args)
+    try:
+        averager = register(ddp, args)
+    except Exception as e:  # PyTorch refuses the hook here (bf16 on a CPU build): report it
+        if rank == 0:
+            queue.put({"system": "pytorch-ddp", "hook": args.hook, "wrapper": args.wrapper,
+                       "error": describe_failure(e, "at register_comm_hook"),
+                       "losses": [], "comm_bytes_per_step": []})
+        return
     opt = mirror.make_optimizer(args, ddp.parameters())
     torch.manual_seed(args.seed + rank)
     ddp.train()
@@ -121,7 +131,8 @@ def train(rank, args, port, queue):
         except Exception as e:  # every rank fails in the same step (the hook is deterministic)
             if rank == 0:
                 queue.put({"system": "pytorch-ddp", "hook": args.hook, "wrapper": args.wrapper,
-                           "error": describe_failure(e, step), "losses": clock.losses,
+                           "error": describe_failure(e, "at step %d" % (step + 1)),
+                           "losses": clock.losses,
                            "comm_bytes_per_step": per_step})
             return
         opt.step()

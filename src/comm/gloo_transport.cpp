@@ -149,13 +149,6 @@ class GlooTransport final : public Transport {
     ::gloo::allreduce(o);  // in place: no input set, so the output is also the input
   }
 
-  // Gloo's ReduceScatter is the legacy buffer API only; the group's all-to-all emulation is
-  // bandwidth-optimal. See Note [Reduce-scatter emulation].
-  bool has_native_reduce_scatter(at::ScalarType) const override { return false; }
-  void reduce_scatter(const at::Tensor&, const at::Tensor&, ReduceOp) override {
-    TORCH_INTERNAL_ASSERT(false, "gloo has no native reduce-scatter");
-  }
-
   std::unique_ptr<Transport> split(const std::vector<int>& group_ranks,
                                    const std::string& uid) override {
     auto it = std::find(group_ranks.begin(), group_ranks.end(), rank_);

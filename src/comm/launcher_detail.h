@@ -69,6 +69,12 @@ struct ChildStatus {
 
 // How a finished process ended: "exited with status 1" / "was killed by signal 9 (Killed)".
 std::string describe_wait_status(int wait_status);
+// The kernel's count of OOM kills (/proc/vmstat oom_kill), -1 when unknown.
+int64_t kernel_oom_kills();
+// For a rank that died of SIGKILL the supervisor did not send, while the kernel's OOM-kill count
+// rose since the job started: a sentence saying so and what to do; "" otherwise.
+std::string oom_kill_explanation(int wait_status, bool stopped_by_us, int64_t oom_kills_before,
+                                 int64_t oom_kills_now);
 // Shell-style exit code: the exit status, or 128 + signal.
 int exit_code_of(int wait_status);
 bool failed(int wait_status);

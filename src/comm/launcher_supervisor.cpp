@@ -13,6 +13,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
+#include <fstream>
 #include <mutex>
 #include <thread>
 
@@ -63,11 +64,34 @@ int exit_code_of(int status) {
   return 1;
 }
 
+int64_t kernel_oom_kills() {
+  std::ifstream vmstat("/proc/vmstat");
+  std::string key;
+  int64_t value = 0;
+  while (vmstat >> key >> value) {
+    if (key == "oom_kill") return value;
+  }
+  return -1;
+}
+
+std::string oom_kill_explanation(int wait_status, bool stopped_by_us, int64_t oom_kills_before,
+                                 int64_t oom_kills_now) {
+  if (!WIFSIGNALED(wait_status) || WTERMSIG(wait_status) != SIGKILL || stopped_by_us) return "";
+  if (oom_kills_before < 0 || oom_kills_now <= oom_kills_before) return "";
+  return " — the kernel's OOM killer ran during this job (/proc/vmstat oom_kill " +
+         std::to_string(oom_kills_before) + " -> " + std::to_string(oom_kills_now) +
+         "), so the machine (or the job's memory cgroup) most likely ran out of memory. HINT: "
+         "give each rank less to hold (a sharding strategy such as fsdp or deepspeed_stage_3, "
+         "fewer ranks on this host) or set FSDP_MEMORY_BUDGET lower so that setup refuses what "
+         "cannot fit; `dmesg | grep -i oom` names the process";
+}
+
 bool failed(int status) {
   return !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
 }
 
 struct Supervisor::Impl {
+  const int64_t oom_kills_at_start = kernel_oom_kills();  // see oom_kill_explanation
   struct Child {
     int rank = 0;
     pid_t pid = -1;
@@ -347,13 +371,18 @@ struct Supervisor::Impl {
     stop_children(rank, opt.forward_stderr);
     Child* c = by_rank(rank);
     int status;
+    bool stopped_by_us;
     {
       std::lock_guard<std::mutex> lock(mu);
       status = c->status;
+      stopped_by_us = c->stopped;
       primary_code = exit_code_of(status);
       if (primary_code == 0) primary_code = 1;
     }
-    write_all(2, failure_line(rank, describe_wait_status(status)));
+    write_all(2, failure_line(rank, describe_wait_status(status) +
+                                        oom_kill_explanation(status, stopped_by_us,
+                                                             oom_kills_at_start,
+                                                             kernel_oom_kills())));
     return primary_code;
   }
 

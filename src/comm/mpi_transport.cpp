@@ -163,21 +163,12 @@ class MpiTransport final : public Transport {
   void barrier() override { check_mpi(MPI_Barrier(comm_), "MPI_Barrier"); }
 
   bool has_native_all_reduce(at::ScalarType dtype) const override { return native(dtype); }
-  bool has_native_reduce_scatter(at::ScalarType dtype) const override { return native(dtype); }
 
   void all_reduce(const at::Tensor& tensor, ReduceOp op) override {
     check_mpi(MPI_Allreduce(MPI_IN_PLACE, tensor.data_ptr(),
                             int_count(tensor.numel(), "all_reduce"),
                             mpi_type(tensor.scalar_type()), mpi_op(op), comm_),
               "MPI_Allreduce");
-  }
-
-  void reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op) override {
-    at::Tensor in = overlaps(input, output) ? input.clone() : input;
-    check_mpi(MPI_Reduce_scatter_block(in.data_ptr(), output.data_ptr(),
-                                       int_count(output.numel(), "reduce_scatter"),
-                                       mpi_type(input.scalar_type()), mpi_op(op), comm_),
-              "MPI_Reduce_scatter_block");
   }
 
   std::unique_ptr<Transport> split(const std::vector<int>& group_ranks,

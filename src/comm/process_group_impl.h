@@ -49,8 +49,7 @@ class Transport {
   // Native reductions (op is kSum or kMax) for the dtypes the backend reduces exactly.
   virtual bool has_native_all_reduce(at::ScalarType dtype) const = 0;
   virtual void all_reduce(const at::Tensor& tensor, ReduceOp op) = 0;
-  virtual bool has_native_reduce_scatter(at::ScalarType dtype) const = 0;
-  virtual void reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op) = 0;
+  // No reduce-scatter: every backend's is Note [Reduce-scatter emulation] (all_to_all + sum).
   // Transport of a subgroup (group_ranks are ranks of this group, sorted). Collective over this
   // group; returns nullptr on non-members. uid is the same on every rank.
   virtual std::unique_ptr<Transport> split(const std::vector<int>& group_ranks,

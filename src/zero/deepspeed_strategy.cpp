@@ -9,6 +9,7 @@
 
 #include "fsdp/fsdp_strategy.h"
 #include "fsdp/lightning.h"
+#include "fsdp/memory.h"
 #include "fsdp/trainer.h"
 #include "zero/partitioner.h"
 #include "zero/warmup_lr.h"
@@ -20,6 +21,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <sstream>
 #include <unordered_set>
 
 namespace fsdp {
@@ -41,6 +43,47 @@ void check_device(const std::string& what, const std::string& device) {
               "(host memory) instead");
   TORCH_CHECK(device == "cpu", "[deepspeed] ", what, " must be \"cpu\" (or \"nvme\", not "
               "implemented yet), got \"", device, "\"");
+}
+
+// Stages 1 and 2 keep every parameter whole, so a model can be too large for them where stage
+// 3 fits. Refuse that before the first byte of gradient or optimizer state is allocated, as FSDP
+// and DDP do (ZeRO's per-parameter bytes: docs/design.md "ZeRO stages"): params whole; grads
+// whole (stage 1) or a 1/N partition plus one reduce bucket (stage 2); Adam's two fp32 moments
+// for a 1/N partition (none in RAM when they are on disk). Other optimizers' state differs;
+// Adam's is what the stages are sized for.
+void check_zero_budget(const DeepSpeedOptions& o, int rank, int world,
+                       const std::vector<std::pair<std::string, at::Tensor>>& params) {
+  const int64_t budget = memory_budget();
+  if (budget <= 0) return;
+  int64_t param_bytes = 0, trainable = 0, grad_element = 4;
+  for (const auto& [name, p] : params) {
+    param_bytes += p.numel() * static_cast<int64_t>(p.element_size());
+    if (p.requires_grad()) {
+      trainable += p.numel();
+      grad_element = static_cast<int64_t>(p.element_size());
+    }
+  }
+  const int64_t partition = (trainable + world - 1) / world;
+  const int64_t grad_bytes =
+      o.stage == 1 ? trainable * grad_element
+                   : partition * 4 + std::min<int64_t>(trainable, static_cast<int64_t>(
+                                                                      o.reduce_bucket_size)) * 4;
+  // With offload_optimizer_device "nvme" the moments live in swap files, not in RAM (the disk
+  // tier's own plan checks its buffers and the disk).
+  const bool adam_on_disk = o.offload_optimizer && o.offload_optimizer_device == "nvme";
+  const int64_t adam_bytes = adam_on_disk ? 0 : partition * 8;
+  const int64_t need = param_bytes + grad_bytes + adam_bytes;
+  if (need <= budget) return;
+  std::ostringstream os;
+  os << "[deepspeed] ZeRO stage " << o.stage << " needs " << format_bytes(need)
+     << " per rank for model state (whole params " << format_bytes(param_bytes) << " + grads "
+     << format_bytes(grad_bytes) << (o.stage == 1 ? " whole" : " partition + reduce bucket")
+     << " + Adam state " << format_bytes(adam_bytes) << ") but the memory budget is "
+     << format_bytes(budget) << " (rank " << rank << " of " << world << "). HINT: "
+     << (o.stage == 1 ? "'deepspeed_stage_2' also partitions the gradients, " : "")
+     << "'deepspeed_stage_3' partitions the parameters too; or use more devices"
+     << (o.stage == 2 ? ", a smaller reduce_bucket_size" : "") << ", or raise FSDP_MEMORY_BUDGET.";
+  throw OutOfMemoryError(c10::SourceLocation{__func__, __FILE__, __LINE__}, os.str());
 }
 
 void check_options(const DeepSpeedOptions& o) {
@@ -173,6 +216,7 @@ void DeepSpeedStrategy::setup_module(LightningModule& module) {
                                      : detail::GradReduction::kDuringBackward;
 
   if (options_.stage < 3) {
+    check_zero_budget(options_, rank(), world_->size(), params);
     // Every rank starts from rank 0's values, as DeepSpeed's engine broadcasts the model.
     if (world_->size() > 1) {
       at::NoGradGuard no_grad;
