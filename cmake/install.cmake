@@ -11,7 +11,7 @@ install(TARGETS fsdp fsdp_nn fsdp_runtime EXPORT fsdpTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR})
 if(FSDP_WITH_QLORA)
   install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/fsdp DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
-else()  # the work-in-progress QLoRA headers have no library behind them
+else()  # without FSDP_WITH_QLORA its headers have no library behind them
   install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/fsdp DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}
           REGEX "/(causal_lm_data|hf|linear|llama|lora|optim8bit|quantization|tokenizer)\\.h$" EXCLUDE)
 endif()

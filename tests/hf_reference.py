@@ -24,9 +24,11 @@ Commands:
       and "offsets" (int64, line i is ids[offsets[i]:offsets[i+1]]).
   peft-make BASE ADAPTER --r R --alpha A --targets T1,T2 [--seed N]
       get_peft_model on the fp32 base with random (not zero) lora_A and lora_B, save_pretrained.
-  peft-logits BASE ADAPTER IN OUT [--4bit]
+  peft-logits BASE ADAPTER IN OUT [--4bit] [--merge]
       PeftModel.from_pretrained(base, ADAPTER) logits for IN's input_ids; with --4bit the base
-      is loaded with BitsAndBytesConfig(load_in_4bit, nf4, double quant, bf16 compute).
+      is loaded with BitsAndBytesConfig(load_in_4bit, nf4, double quant, bf16 compute); with
+      --merge, the logits of merge_and_unload() (a target tied to the embeddings, lm_head with
+      tie_word_embeddings, is merged into the shared table: the input embeddings change too).
   bnb IN OUT
       bitsandbytes on every tensor "w.<name>" of IN: quantize_4bit(nf4, blocksize 64,
       compress_statistics True and False) -> "<name>.packed", ".absmax", ".nested_absmax",
@@ -119,6 +121,8 @@ def peft_logits(a):
     # train() keeps bitsandbytes' CPU Linear4bit on the dequantize + matmul path (in eval mode
     # it repacks the weight for its AVX512-BF16 inference kernel); nothing here uses dropout.
     model.train()
+    if a.merge:
+        model = model.merge_and_unload()
     ids = load_file(a.inp)["input_ids"]
     with torch.no_grad():
         logits = model(input_ids=ids).logits
@@ -268,6 +272,7 @@ def main():
     pl.add_argument("inp")
     pl.add_argument("out")
     pl.add_argument("--4bit", dest="four_bit", action="store_true")
+    pl.add_argument("--merge", action="store_true")
     pl.set_defaults(fn=peft_logits)
     bn = sub.add_parser("bnb")
     bn.add_argument("inp")

@@ -196,6 +196,8 @@ class TiedLinear : public LinearLayer {
   int64_t out_features() const override { return embedding_->weight.size(0); }
   at::Tensor dense_weight(at::ScalarType dtype) const override;
   at::Tensor dense_bias() const override { return {}; }
+  // The embedding module whose table is this head's weight (LoRA merges into it).
+  const torch::nn::Embedding& embedding() const { return embedding_; }
 
  private:
   torch::nn::Embedding embedding_;

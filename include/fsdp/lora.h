@@ -74,7 +74,9 @@ class LoraLinear : public LinearLayer, public LinearOwner {
   // scaling * B A, (out, in) fp32.
   at::Tensor delta_weight() const;
   // Adds delta_weight() into the base weight (dense: in place; 4-bit: dequantize, add,
-  // quantize again -- lossy, as PEFT warns) and stops applying the adapter; unmerge subtracts it.
+  // quantize again -- lossy, as PEFT warns; a head tied to the embeddings: in place into the
+  // shared embedding table, so the input embeddings change too, as PEFT's merge does) and stops
+  // applying the adapter; unmerge subtracts it.
   void merge();
   void unmerge();
   bool merged() const { return merged_; }

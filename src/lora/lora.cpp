@@ -1,6 +1,7 @@
 // LoRA: LoraConfig, LoraLinear, apply_lora, merge. See include/fsdp/lora.h.
 #include "fsdp/lora.h"
 
+#include "fsdp/llama.h"
 #include "fsdp/quantization.h"
 #include "models/detail.h"
 
@@ -193,6 +194,16 @@ void add_delta(LoraLinear& lora, double sign) {
     dense->weight.add_(delta.to(dense->weight.scalar_type()));
     return;
   }
+  if (auto tied = std::dynamic_pointer_cast<TiedLinear>(lora.base_layer)) {
+    // A head tied to the embeddings (tie_word_embeddings) has no weight of its own. PEFT 0.21
+    // (lora.Linear.merge: base_layer.weight.data += delta) adds the delta in place into the
+    // shared Parameter, and merge_and_unload leaves the tie in place: the input embeddings
+    // change too, so the merged model's logits differ from the adapted model's (PEFT warns
+    // about merging a tied target). Same here: into the shared table, in place.
+    at::Tensor table = tied->embedding()->weight;
+    table.add_(delta.to(table.scalar_type()));
+    return;
+  }
   if (auto q = std::dynamic_pointer_cast<Linear4bit>(lora.base_layer)) {
     // PEFT: dequantize, add, quantize again (rounding error of one more quantization).
     QuantizationConfig cfg;
@@ -205,7 +216,7 @@ void add_delta(LoraLinear& lora, double sign) {
     *lora.linear_slot("base_layer") = requantized;
     return;
   }
-  TORCH_CHECK(false, "[LoraLinear] merge needs a dense or 4-bit base layer");
+  TORCH_CHECK(false, "[LoraLinear] merge needs a dense, tied or 4-bit base layer");
 }
 
 }  // namespace
