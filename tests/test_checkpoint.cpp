@@ -64,12 +64,7 @@ struct Run {
     } else {
       strategy = fsdp::make_strategy(kind);
     }
-    auto world = fsdp::world_group();
-    fsdp::LaunchInfo launch;
-    launch.rank = world->rank();
-    launch.world_size = world->size();
-    launch.local_world_size = world->size();
-    strategy->connect(world, launch);
+    fsdp::testing::connect_to_world(strategy);
     lm.optimizer = optimizer;
     fsdp::configure_model_with(*strategy, lm);
     strategy->setup_module(lm);

@@ -192,7 +192,7 @@ nlohmann::json run_summary(const std::vector<std::string>& extra) {
 }  // namespace
 
 TEST(CommHookCli, HooksAndDdpOptionsRunAndTheirBytesAreCounted) {
-  if (!fs::exists(train_bin())) GTEST_SKIP() << "fsdp-train is not built";
+  if (!fs::exists(train_bin())) GTEST_SKIP() << "[fsdp-skip] fsdp-train is not built";
   nlohmann::json plain = run_summary({});
   nlohmann::json fp16 = run_summary({"--ddp-comm-hook", "fp16_compress", "--static-graph",
                                      "--gradient-as-bucket-view", "--bucket-cap-mb", "0.05",
@@ -224,7 +224,7 @@ TEST(CommHookCli, HooksAndDdpOptionsRunAndTheirBytesAreCounted) {
 }
 
 TEST(CommHookCli, FlagErrorsSayWhatToDo) {
-  if (!fs::exists(train_bin())) GTEST_SKIP() << "fsdp-train is not built";
+  if (!fs::exists(train_bin())) GTEST_SKIP() << "[fsdp-skip] fsdp-train is not built";
   struct Case {
     std::vector<std::string> args;
     int exit_code;

@@ -92,7 +92,7 @@ constexpr const char* kEnvMakeReference = "FSDP_TEST_DDP_MAKE_REFERENCE";  // "p
 
 TEST(ParityReference, DISABLED_Compute) {
   const char* spec = std::getenv(kEnvMakeReference);
-  if (!spec) GTEST_SKIP() << "helper of the parity tests; needs " << kEnvMakeReference;
+  if (!spec) GTEST_SKIP() << "[fsdp-skip] helper of the parity tests; needs " << kEnvMakeReference;
   std::string path;
   int world = 0;
   int64_t accumulate = 0;
@@ -232,7 +232,7 @@ std::vector<double> cli_losses(const std::vector<std::string>& extra, const std:
 
 TEST(CliParity, SingleBatch12AndDdpOn3RanksBatch4GiveTheSameLosses) {
   if (!fs::exists(fsdp::testing::bin_path("fsdp-train"))) {
-    GTEST_SKIP() << "fsdp-train is not built (" << fsdp::testing::bin_path("fsdp-train") << ")";
+    GTEST_SKIP() << "[fsdp-skip] fsdp-train is not built (" << fsdp::testing::bin_path("fsdp-train") << ")";
   }
   auto single = cli_losses({"--strategy", "single", "--devices", "1", "--batch-size", "12"},
                            "single");

@@ -68,7 +68,7 @@ std::string tiny_model(const std::string& name) {
 
 TEST(FinetuneCli, QLoraUnderFsdpSavesPeftCheckpoints) {
   const std::string wt = fsdp::testing::wikitext2_dir();
-  if (wt.empty()) GTEST_SKIP() << "WikiText-2 is not available";
+  if (wt.empty()) GTEST_SKIP() << "[fsdp-skip] WikiText-2 is not available";
   const std::string dir = tiny_model("finetune_cli");
   // 64 paragraphs of WikiText-2 as JSONL.
   {

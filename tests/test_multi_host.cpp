@@ -44,7 +44,7 @@ std::string hosts_missing_reason() {
 
 #define HOSTS_OR_SKIP(var)                                            \
   if (std::string why = hosts_missing_reason(); !why.empty()) {       \
-    GTEST_SKIP() << why;                                              \
+    GTEST_SKIP() << "[fsdp-skip] " << why;                        \
   }                                                                   \
   const std::string var = std::getenv("FSDP_TEST_HOSTS")
 
@@ -219,7 +219,7 @@ TEST(MultiHost, HybridShardCrossesHostsOnlyWithTheShardAllReduce) {
 TEST(MultiHost, MpiFullShardTwoHostsByTwoRanksMatchesOneProcess) {
   HOSTS_OR_SKIP(hosts);
   const std::string mpirun = "/usr/bin/mpirun";
-  if (!fs::exists(mpirun)) GTEST_SKIP() << "mpirun is not installed";
+  if (!fs::exists(mpirun)) GTEST_SKIP() << "[fsdp-skip] mpirun is not installed";
   const auto single = single_process_losses(kSteps, 8);
   const fs::path hostfile = scratch() / "mpi_hosts";
   std::ofstream(hostfile) << hosts << "-h0 slots=2\n" << hosts << "-h1 slots=2\n";

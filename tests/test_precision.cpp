@@ -678,7 +678,7 @@ nlohmann::json cli_summary(const std::vector<std::string>& extra, const std::str
 // the same global batch, within kFp16LossTolerance per step.
 void cli_fp16_mixed_tracks_fp32(const std::string& strategy) {
   if (!std::filesystem::exists(fsdp::testing::bin_path("fsdp-train"))) {
-    GTEST_SKIP() << "fsdp-train is not built";
+    GTEST_SKIP() << "[fsdp-skip] fsdp-train is not built";
   }
   const auto want = cli_summary({"--strategy", "single", "--batch-size", "12"}, "ref");
   ASSERT_TRUE(want.contains("losses"));

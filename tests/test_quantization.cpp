@@ -10,6 +10,7 @@
 #include "hf_testing.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 namespace {
 
@@ -36,7 +37,9 @@ std::vector<std::pair<std::string, at::Tensor>> nf4_inputs() {
 class Bnb : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    const std::string dir = hf_scratch("bnb");
+    // One directory per process: ctest runs this suite's tests as parallel processes, and each
+    // runs this fixture (a shared directory let one remove the files another was reading).
+    const std::string dir = hf_scratch("bnb-" + std::to_string(::getpid()));
     std::vector<std::pair<std::string, at::Tensor>> in;
     for (auto& [name, t] : nf4_inputs()) in.emplace_back("w." + name, t);
     auto gen = at::make_generator<at::CPUGeneratorImpl>(7);

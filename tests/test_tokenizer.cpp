@@ -60,7 +60,7 @@ void expect_identical(const Trained& t, const fsdp::Tokenizer& tok) {
 
 TEST(Tokenizer, Gpt2ByteLevelIdsEqualTokenizersOnWikiText2) {
   Trained t = train("gpt2");
-  if (t.dir.empty()) GTEST_SKIP() << "WikiText-2 is not available";
+  if (t.dir.empty()) GTEST_SKIP() << "[fsdp-skip] WikiText-2 is not available";
   fsdp::Tokenizer tok = fsdp::Tokenizer::from_pretrained(t.dir);
   expect_identical(t, tok);
   // decode inverts encode (byte-level is lossless).
@@ -69,7 +69,7 @@ TEST(Tokenizer, Gpt2ByteLevelIdsEqualTokenizersOnWikiText2) {
 
 TEST(Tokenizer, Llama3SplitIdsEqualTokenizersOnWikiText2) {
   Trained t = train("llama3");
-  if (t.dir.empty()) GTEST_SKIP() << "WikiText-2 is not available";
+  if (t.dir.empty()) GTEST_SKIP() << "[fsdp-skip] WikiText-2 is not available";
   fsdp::Tokenizer tok = fsdp::Tokenizer::from_pretrained(t.dir);
   expect_identical(t, tok);
   const int64_t bos = tok.token_to_id("<|begin_of_text|>"), eos = tok.token_to_id("<|end_of_text|>");
