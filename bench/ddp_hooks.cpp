@@ -260,19 +260,10 @@ int run_ddp_hooks(const std::vector<std::string>& args) {
       return 2;
     }
   }
-  std::vector<Hook> hooks;
-  for (const auto& name : fsdp::bench::split_list(hooks_arg)) {
-    auto it = std::find_if(all_hooks().begin(), all_hooks().end(),
-                           [&](const Hook& h) { return h.name == name; });
-    if (it == all_hooks().end()) {
-      std::string valid;
-      for (const auto& h : all_hooks()) valid += (valid.empty() ? "" : ", ") + h.name;
-      std::cerr << "fsdp-bench ddp-hooks: error: unknown hook '" << name
-                << "' in --hooks; valid: " << valid << "\n";
-      return 2;
-    }
-    hooks.push_back(*it);
-  }
+  auto picked = fsdp::bench::pick_by_name(all_hooks(), &Hook::name, hooks_arg, "ddp-hooks",
+                                          "hook", "--hooks");
+  if (!picked) return 2;
+  const std::vector<Hook> hooks = std::move(*picked);
   run.steps = o.warmup + o.steps;
   run.vocab_size = fsdp::demos::transformer_preset(run.model, run.vocab_size).vocab_size;
   if (o.fsdp_train.empty()) o.fsdp_train = (fsdp::bench::self_dir() / "fsdp-train").string();

@@ -217,18 +217,10 @@ int run_peers(const std::vector<std::string>& args) {
       return 2;
     }
   }
-  std::vector<Config> configs;
-  for (const auto& name : fsdp::bench::split_list(configs_arg)) {
-    auto it = std::find_if(all_configs().begin(), all_configs().end(),
-                           [&](const Config& c) { return c.name == name; });
-    if (it == all_configs().end()) {
-      std::cerr << "fsdp-bench peers: error: unknown configuration '" << name
-                << "' in --configs; valid: ddp, full_shard, shard_grad_op, full_shard_bf16, "
-                   "zero1, zero2, zero3\n";
-      return 2;
-    }
-    configs.push_back(*it);
-  }
+  auto picked = fsdp::bench::pick_by_name(all_configs(), &Config::name, configs_arg, "peers",
+                                          "configuration", "--configs");
+  if (!picked) return 2;
+  const std::vector<Config> configs = std::move(*picked);
   run.steps = o.warmup + o.steps;
   run.vocab_size = fsdp::demos::transformer_preset(run.model, run.vocab_size).vocab_size;
   if (o.fsdp_train.empty()) o.fsdp_train = (fsdp::bench::self_dir() / "fsdp-train").string();

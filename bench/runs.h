@@ -6,7 +6,10 @@
 #include <nlohmann/json.hpp>
 
 #include <filesystem>
+#include <algorithm>
 #include <functional>
+#include <iostream>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -68,6 +71,29 @@ std::string load_average();
 std::string fixed(double v, int digits);
 // "a,b,,c" -> {"a", "b", "c"}.
 std::vector<std::string> split_list(const std::string& comma_list);
+
+// The entries of `all` named in `comma_list` (in its order; `name` is each entry's name field),
+// or std::nullopt after printing "fsdp-bench <bench>: error: unknown <what> 'x' in <flag>; valid:
+// a, b, ..." for a name `all` does not have (the caller then exits 2).
+template <typename T>
+std::optional<std::vector<T>> pick_by_name(const std::vector<T>& all, std::string T::*name,
+                                           const std::string& comma_list,
+                                           const std::string& bench, const std::string& what,
+                                           const std::string& flag) {
+  std::vector<T> picked;
+  for (const auto& wanted : split_list(comma_list)) {
+    auto it = std::find_if(all.begin(), all.end(), [&](const T& e) { return e.*name == wanted; });
+    if (it == all.end()) {
+      std::string valid;
+      for (const auto& e : all) valid += (valid.empty() ? "" : ", ") + e.*name;
+      std::cerr << "fsdp-bench " << bench << ": error: unknown " << what << " '" << wanted
+                << "' in " << flag << "; valid: " << valid << "\n";
+      return std::nullopt;
+    }
+    picked.push_back(*it);
+  }
+  return picked;
+}
 
 // Ends a benchmark's report: sets out["load_average_end"] and out["markdown"] =
 // markdown_table(out), prints the JSON on stdout and the table on stderr (and into

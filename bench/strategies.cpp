@@ -190,20 +190,11 @@ int run_strategies(const std::vector<std::string>& args) {
   }
 
   if (!c.only.empty()) {
-    std::vector<Entry> chosen;
-    for (const auto& label : fsdp::bench::split_list(c.only)) {
-      auto it = std::find_if(entries.begin(), entries.end(),
-                             [&](const Entry& e) { return e.label == label; });
-      if (it == entries.end()) {
-        std::string valid;
-        for (const auto& e : entries) valid += (valid.empty() ? "" : ", ") + e.label;
-        std::cerr << "fsdp-bench strategies: error: --strategies: unknown column '" << label
-                  << "' at " << c.devices << " ranks; valid: " << valid << "\n";
-        return 2;
-      }
-      chosen.push_back(*it);
-    }
-    entries = chosen;
+    auto picked = fsdp::bench::pick_by_name(entries, &Entry::label, c.only, "strategies",
+                                            "column", "--strategies (at " +
+                                                std::to_string(c.devices) + " ranks)");
+    if (!picked) return 2;
+    entries = std::move(*picked);
   }
 
   json out;
