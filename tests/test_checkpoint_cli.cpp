@@ -1,5 +1,7 @@
 // Checkpoints through the programs: fsdp-train --checkpoint-dir/--ckpt-path exact resume, a rank
-// killed mid-save, and fsdp-ckpt inspect/convert checked with an independent numpy reader.
+// killed mid-save, a disk-offloaded run killed by SIGKILL and resumed, and fsdp-ckpt
+// inspect/convert checked with an independent numpy reader.
+#include "ckpt/safetensors.h"
 #include "fsdp/checkpoint.h"
 #include "fully_shard_common.h"
 #include "testing.h"
@@ -7,7 +9,13 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -67,6 +75,24 @@ int64_t vocab_of(const std::string& ckpt) {
 std::vector<std::string> plus(std::vector<std::string> a, const std::vector<std::string>& b) {
   a.insert(a.end(), b.begin(), b.end());
   return a;
+}
+
+// Starts `argv` in the background in its own process group, stdout and stderr to `log`;
+// returns its pid.
+pid_t spawn(const std::vector<std::string>& argv, const std::string& log) {
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::setpgid(0, 0);
+    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    ::dup2(fd, 1);
+    ::dup2(fd, 2);
+    std::vector<char*> args;
+    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    ::execv(args[0], args.data());
+    ::_exit(127);
+  }
+  return pid;
 }
 
 }  // namespace
@@ -238,3 +264,75 @@ TEST(CheckpointCli, InspectAndConvertCheckedWithNumpy) {
   EXPECT_EQ(bad.exit_code, 1);
   EXPECT_NE(bad.err.find("not a checkpoint"), std::string::npos) << bad.err;
 }
+
+// A run with its optimizer state on disk (ZeRO stage 2, offload_optimizer_device nvme) killed
+// by SIGKILL after it has checkpointed: `last` is a complete checkpoint streamed from the swap
+// files, and resuming from it gives the loss curve of a run that was never killed.
+TEST(CheckpointCli, DiskOffloadedRunKilledBySigkillResumes) {
+  std::string dir = scratch("nvme-kill");
+  const std::string nvme = dir + "/nvme";
+  auto on_disk = [&](int max_steps) {
+    return plus(train_argv(dir, 2, 2, max_steps, "deepspeed_stage_2"),
+                {"--backend", "gloo", "--offload-optimizer-device", "nvme", "--nvme-path", nvme,
+                 "--sub-group-size", "4096", "--state-dict-type", "sharded"});
+  };
+  const pid_t pid = spawn(plus(on_disk(100000), {"--checkpoint-dir", dir + "/ckpt",
+                                                 "--save-every-n-steps", "2"}),
+                          dir + "/killed.log");
+  ASSERT_GT(pid, 0);
+  // Kill it once `last` is at step 4 or later (a checkpoint has replaced another).
+  const auto start = std::chrono::steady_clock::now();
+  bool ready = false;
+  while (!ready && std::chrono::steady_clock::now() - start < std::chrono::seconds(120)) {
+    int status = 0;
+    if (::waitpid(pid, &status, WNOHANG) == pid) break;  // ended early: reported below
+    try {
+      ready = fs::exists(dir + "/ckpt/last") &&
+              fsdp::inspect_checkpoint(dir + "/ckpt/last").progress.global_step >= 4;
+    } catch (const std::exception&) {  // `last` being replaced right now
+    }
+    if (!ready) ::usleep(20000);
+  }
+  // fsdp-train spawned rank 1 (Gloo) with PR_SET_PDEATHSIG: it dies with rank 0. The whole
+  // process group gets the signal too, in case.
+  ::kill(-pid, SIGKILL);
+  ::kill(pid, SIGKILL);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  ASSERT_TRUE(ready) << "no checkpoint at step >= 4 in 120 s:\n"
+                     << fsdp::ckpt::read_file(dir + "/killed.log");
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+  // SIGKILL runs no cleanup: the killed job's swap files stay behind (rank 1 dies with rank 0).
+  EXPECT_FALSE(fs::is_empty(nvme)) << "the killed run left no swap files";
+  ::usleep(200000);
+  fs::remove_all(nvme);
+  fs::create_directories(nvme);
+
+  const int64_t k = fsdp::inspect_checkpoint(dir + "/ckpt/last").progress.global_step;
+  EXPECT_EQ(k % 2, 0);
+  ::usleep(500000);
+  ASSERT_EQ(fsdp::inspect_checkpoint(dir + "/ckpt/last").progress.global_step, k)
+      << "the killed job is still saving";
+  auto straight = run_losses(on_disk(static_cast<int>(k) + 3), dir + "/straight.json");
+  ASSERT_EQ(straight.size(), static_cast<size_t>(k + 3));
+  auto resumed = run_losses(plus(on_disk(static_cast<int>(k) + 3),
+                                 {"--ckpt-path", dir + "/ckpt/last"}),
+                            dir + "/resumed.json");
+  ASSERT_EQ(resumed.size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(resumed[i], straight[k + i]) << "step " << k + i << " (resumed from step " << k << ")";
+  }
+  EXPECT_TRUE(fs::is_empty(nvme)) << "swap files left by the finished runs";
+
+  // The full format (fsdp-train's default) would gather the moments whole: refused at setup.
+  auto full = run_process(plus(train_argv(dir, 2, 2, 2, "deepspeed_stage_2"),
+                               {"--offload-optimizer-device", "nvme", "--nvme-path", nvme,
+                                "--checkpoint-dir", dir + "/ckpt-full", "--save-every-n-steps",
+                                "1"}),
+                          {}, 120);
+  EXPECT_NE(full.exit_code, 0);
+  EXPECT_NE(full.err.find("sharded format only"), std::string::npos) << full.err;
+  EXPECT_NE(full.err.find("--state-dict-type sharded"), std::string::npos) << full.err;
+  EXPECT_FALSE(fs::exists(dir + "/ckpt-full/step-1"));
+}
+

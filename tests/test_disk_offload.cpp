@@ -3,9 +3,12 @@
 // offload_optimizer_device "nvme" against a single process (losses within 1e-5 relative) at
 // worlds 2 and 3 on Gloo and MPI, with the swap files present during training and gone after;
 // I/O errors (read-only directory, file size limit as a full disk, a write failing mid-run, a
-// corrupted or stale swap file) and the refused checkpoint.
+// corrupted or stale swap file); checkpoints streamed from the swap files (RAM peak, write errors;
+// resume parity lives in test_checkpoint.cpp) and amsgrad's third moment.
+#include "ckpt/layout.h"
 #include "fsdp/checkpoint.h"
 #include "fsdp/deepspeed.h"
+#include "fsdp/memory.h"
 #include "fully_shard_common.h"
 #include "offload/aio.h"
 #include "offload/nvme_adam.h"
@@ -24,6 +27,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <csignal>
 #include <cstring>
 #include <filesystem>
@@ -154,7 +158,7 @@ void parity_with_disk(int world_size, const std::string& backend) {
 struct Toy {
   std::vector<at::Tensor> params;
   std::shared_ptr<torch::optim::Optimizer> opt;
-  explicit Toy(bool adamw, uint64_t seed = 3) {
+  explicit Toy(bool adamw, uint64_t seed = 3, bool amsgrad = false) {
     auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
     for (int64_t n : {1000, 3001, 17}) {
       params.push_back(at::randn({n}, gen).set_requires_grad(true));
@@ -163,17 +167,18 @@ struct Toy {
     if (adamw) {
       groups.emplace_back(std::vector<at::Tensor>{params[0], params[1]},
                           std::make_unique<torch::optim::AdamWOptions>(
-                              torch::optim::AdamWOptions(1e-2).weight_decay(0.1)));
+                              torch::optim::AdamWOptions(1e-2).weight_decay(0.1).amsgrad(amsgrad)));
       groups.emplace_back(std::vector<at::Tensor>{params[2]},
                           std::make_unique<torch::optim::AdamWOptions>(
-                              torch::optim::AdamWOptions(1e-2).weight_decay(0)));
+                              torch::optim::AdamWOptions(1e-2).weight_decay(0).amsgrad(amsgrad)));
       opt = std::make_shared<torch::optim::AdamW>(groups, torch::optim::AdamWOptions(1e-2));
     } else {
       groups.emplace_back(std::vector<at::Tensor>{params[0], params[1]},
                           std::make_unique<torch::optim::AdamOptions>(
-                              torch::optim::AdamOptions(1e-2).weight_decay(0.01)));
+                              torch::optim::AdamOptions(1e-2).weight_decay(0.01).amsgrad(amsgrad)));
       groups.emplace_back(std::vector<at::Tensor>{params[2]},
-                          std::make_unique<torch::optim::AdamOptions>(1e-2));
+                          std::make_unique<torch::optim::AdamOptions>(
+                              torch::optim::AdamOptions(1e-2).amsgrad(amsgrad)));
       opt = std::make_shared<torch::optim::Adam>(groups, torch::optim::AdamOptions(1e-2));
     }
   }
@@ -257,6 +262,91 @@ TEST(DiskOffload, NvmeAdamMatchesTorchAdamAndAdamW) {
     EXPECT_GT(nvme.io_bytes(), 0);
   }
   EXPECT_FALSE(fs::exists(dir + "/adam")) << "swap files left";
+}
+
+// amsgrad streams a third moment (max_exp_avg_sq) and matches torch; read_state hands out
+// exactly torch's state (every statistic of every parameter), and write_state of torch's state
+// into a fresh disk tier continues the run as torch does.
+TEST(DiskOffload, AmsgradAndStreamedStateMatchTorch) {
+  const std::string dir = test_dir("amsgrad");
+  for (bool amsgrad : {false, true}) {
+    SCOPED_TRACE(amsgrad ? "amsgrad" : "adam");
+    Toy ref(false, 3, amsgrad), disk(false, 3, amsgrad), resumed(false, 3, amsgrad);
+    fsdp::detail::NvmeAdam nvme(*disk.opt, toy_options(dir, "a"));
+    EXPECT_EQ(nvme.plan().moments, amsgrad ? 3 : 2);
+    EXPECT_EQ(nvme.stats().size(), amsgrad ? 3u : 2u);
+    EXPECT_EQ(static_cast<int64_t>(fs::file_size(nvme.files()[0])),
+              4096 + (amsgrad ? 3 : 2) * 4096);  // 700 fp32 elements per moment, aligned
+    for (int step = 0; step < 4; ++step) {
+      ref.set_grads(step);
+      disk.set_grads(step);
+      ref.opt->step();
+      nvme.step(*disk.opt);
+    }
+    for (size_t i = 0; i < ref.params.size(); ++i) {
+      EXPECT_TRUE(at::allclose(disk.params[i], ref.params[i], 1e-6, 1e-7)) << "parameter " << i;
+    }
+    // read_state: every element of every statistic once, equal to torch's.
+    std::map<std::pair<const c10::TensorImpl*, int>, at::Tensor> seen;
+    nvme.read_state([&](const at::Tensor& p, int stat, int64_t offset, float* data, int64_t n) {
+      at::Tensor& t = seen[{p.unsafeGetTensorImpl(), stat}];
+      if (!t.defined()) t = at::full({p.numel()}, std::nanf(""), at::kFloat);
+      EXPECT_TRUE(at::isnan(t.narrow(0, offset, n)).all().item<bool>()) << "visited twice";
+      t.narrow(0, offset, n).copy_(at::from_blob(data, {n}, at::kFloat));
+    });
+    EXPECT_EQ(seen.size(), 3u * nvme.stats().size());
+    for (size_t i = 0; i < ref.params.size(); ++i) {
+      int64_t step = 0;
+      auto want = fsdp::ckpt::optimizer_stats(*ref.opt, ref.params[i], &step);
+      ASSERT_EQ(want.size(), nvme.stats().size());
+      EXPECT_EQ(nvme.step_of(disk.params[i]), step);
+      for (size_t k = 0; k < want.size(); ++k) {
+        EXPECT_EQ(want[k].first, nvme.stats()[k]);
+        const at::Tensor& got = seen[{disk.params[i].unsafeGetTensorImpl(), static_cast<int>(k)}];
+        EXPECT_TRUE(at::allclose(got, want[k].second.reshape({-1}), 1e-5, 1e-8))
+            << want[k].first << " of parameter " << i;
+      }
+    }
+    // write_state: torch's state into a fresh disk tier (as load_checkpoint does), then both
+    // take the same steps.
+    for (size_t i = 0; i < ref.params.size(); ++i) {
+      resumed.params[i].detach().copy_(ref.params[i].detach());
+    }
+    fsdp::detail::NvmeAdam again(*resumed.opt, toy_options(dir, "b"));
+    for (size_t i = 0; i < ref.params.size(); ++i) {
+      int64_t step = 0;
+      fsdp::ckpt::optimizer_stats(*ref.opt, ref.params[i], &step);
+      again.set_step(resumed.params[i], step);
+    }
+    std::map<const c10::TensorImpl*, size_t> index;
+    for (size_t i = 0; i < ref.params.size(); ++i) index[resumed.params[i].unsafeGetTensorImpl()] = i;
+    again.write_state([&](const at::Tensor& p, int stat, int64_t offset, float* data, int64_t n) {
+      int64_t step = 0;
+      auto st = fsdp::ckpt::optimizer_stats(*ref.opt, ref.params[index.at(p.unsafeGetTensorImpl())], &step);
+      std::memcpy(data, st.at(stat).second.reshape({-1}).narrow(0, offset, n).const_data_ptr<float>(),
+                  static_cast<size_t>(n) * sizeof(float));
+    });
+    for (int step = 4; step < 7; ++step) {
+      ref.set_grads(step);
+      resumed.set_grads(step);
+      ref.opt->step();
+      again.step(*resumed.opt);
+    }
+    for (size_t i = 0; i < ref.params.size(); ++i) {
+      EXPECT_TRUE(at::allclose(resumed.params[i], ref.params[i], 1e-6, 1e-7))
+          << "parameter " << i << " after write_state";
+    }
+  }
+  // amsgrad in some groups only is refused: the swap files hold the same moments for all.
+  Toy mixed(true, 3, false);
+  static_cast<torch::optim::AdamWOptions&>(mixed.opt->param_groups()[1].options()).amsgrad(true);
+  try {
+    fsdp::detail::NvmeAdam bad(*mixed.opt, toy_options(dir, "mixed"));
+    ADD_FAILURE() << "mixed amsgrad accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("amsgrad is on in some parameter groups"),
+              std::string::npos) << e.what();
+  }
 }
 
 TEST(DiskOffload, CorruptedOrStaleSwapFileIsDetected) {
@@ -374,27 +464,157 @@ TEST(DiskOffload, ParityStage2And3GlooWorld3) { parity_with_disk(3, "gloo"); }
 TEST(DiskOffload, ParityStage2And3MpiWorld2) { parity_with_disk(2, "mpi"); }
 TEST(DiskOffload, ParityStage2And3MpiWorld3) { parity_with_disk(3, "mpi"); }
 
-// A checkpoint of a disk-offloaded optimizer is refused on every rank before it is published:
-// no checkpoint without its optimizer state appears.
-TEST(DiskOffload, CheckpointIsRefusedAndNothingPublished) {
-  const std::string root = test_dir("ckpt");
-  fsdp::testing::run_ranks(2, "gloo", [&](fsdp::ProcessGroup& pg) {
-    ::setenv("FSDP_JOB_ID", "job-ckpt", 1);
-    TinyLM lm;
-    auto strategy = connected(nvme_options(2, root));
+// A model set up under a disk-tier strategy, stepped on this rank's share of the global batches.
+struct DiskRun {
+  TinyLM lm;
+  std::shared_ptr<fsdp::DeepSpeedStrategy> strategy;
+  std::shared_ptr<torch::optim::Optimizer> opt;
+  int next_step = 0;
+  explicit DiskRun(const fsdp::DeepSpeedOptions& o) : strategy(connected(o)) {
+    lm.optimizer = "adamw";
+    fsdp::configure_model_with(*strategy, lm);
+    strategy->setup_module(lm);
+    opt = lm.configure_optimizers().optimizer;
+    strategy->setup_optimizer(*opt);
+  }
+  void train(int steps) {
     LoopConfig cfg;
-    cfg.steps = 1;
-    std::shared_ptr<torch::optim::Optimizer> opt;
-    fsdp::testing::train_with(*strategy, lm, cfg);
-    opt = lm.configure_optimizers().optimizer;  // any optimizer: the refusal needs one
-    const std::string ckpt = root + "/ckpt-out";
-    try {
-      fsdp::save_checkpoint(ckpt, *strategy, lm, opt.get(), {}, fsdp::StateDictType::kSharded);
-      ADD_FAILURE() << "a checkpoint without the on-disk optimizer state was saved";
-    } catch (const c10::Error& e) {
-      EXPECT_NE(std::string(e.what()).find("not implemented yet"), std::string::npos) << e.what();
+    const int64_t local = cfg.global_batch / strategy->world_size();
+    for (int i = 0; i < steps; ++i, ++next_step) {
+      fsdp::Batch g = fsdp::testing::global_batch(next_step, cfg.global_batch);
+      strategy->pre_forward(lm, true);
+      at::Tensor loss = lm.training_step(
+          fsdp::testing::slice(g, strategy->rank() * local, local), next_step);
+      strategy->backward(loss);
+      strategy->post_backward(lm, true);
+      strategy->optimizer_step(*opt);
+      strategy->zero_grad(*opt);
     }
-    EXPECT_FALSE(fs::exists(ckpt)) << "a checkpoint was published";
+  }
+  void save(const std::string& dir) {
+    fsdp::TrainingProgress p;
+    p.global_step = next_step;
+    fsdp::save_checkpoint(dir, *strategy, lm, opt.get(), p, fsdp::StateDictType::kSharded);
+  }
+};
+
+// Note [Streamed optimizer state]: saving and loading the moments of a disk-offloaded run
+// stream them through the swap buffers, so the tracked peak of either grows by less than one
+// sub-group's record while the state is many records; a full checkpoint is refused clearly.
+TEST(DiskOffload, CheckpointStreamsOneSubGroupAtATime) {
+  const std::string root = test_dir("ckpt-peak");
+  fsdp::testing::run_ranks(2, "gloo", [&](fsdp::ProcessGroup& pg) {
+    fsdp::install_tracking_allocator();
+    for (int stage : {2, 3}) {
+      SCOPED_TRACE("stage " + std::to_string(stage));
+      const std::string ckpt = root + "/ckpt-s" + std::to_string(stage);
+      auto o = nvme_options(stage, root);
+      o.sub_group_size = 2048;
+      const int64_t record = 4096 + 2 * 8192;  // header + two fp32 moments of 2048 elements
+      int64_t state_bytes = 0;
+      {
+        DiskRun run(o);
+        run.train(2);
+        state_bytes = run.strategy->disk_plan()->state_numel * 8;
+        ASSERT_GT(state_bytes, 4 * record) << "the bound would not tell a record from the state";
+        const int64_t before = fsdp::memory_stats().current_bytes;
+        fsdp::reset_peak_memory_stats();
+        run.save(ckpt);
+        const int64_t save_peak = fsdp::memory_stats().peak_bytes - before;
+        std::cerr << "rank " << pg.rank() << " stage " << stage << ": state " << state_bytes
+                  << " B, save peak +" << save_peak << " B\n";
+        EXPECT_LE(save_peak, record);
+        try {
+          fsdp::save_checkpoint(ckpt + "-full", *run.strategy, run.lm, run.opt.get(), {},
+                                fsdp::StateDictType::kFull);
+          ADD_FAILURE() << "a full checkpoint of the disk tier was written";
+        } catch (const c10::Error& e) {
+          EXPECT_NE(std::string(e.what()).find("sharded format only"), std::string::npos)
+              << e.what();
+        }
+      }
+      EXPECT_FALSE(fs::exists(ckpt + "-full"));
+      DiskRun resumed(o);
+      const int64_t before = fsdp::memory_stats().current_bytes;
+      fsdp::reset_peak_memory_stats();
+      auto p = fsdp::load_checkpoint(ckpt, *resumed.strategy, resumed.lm, resumed.opt.get());
+      const int64_t load_peak = fsdp::memory_stats().peak_bytes - before;
+      std::cerr << "rank " << pg.rank() << " stage " << stage << ": load peak +" << load_peak
+                << " B\n";
+      EXPECT_EQ(p.global_step, 2);
+      EXPECT_GT(load_peak, 0) << "nothing tracked: the test is blind";
+      EXPECT_LE(load_peak, record);
+    }
+  });
+}
+
+// A write that fails during the save (the file size limit as a full disk; a read-only
+// directory) is one clear error on every rank naming the checkpoint, nothing is published, the
+// previous checkpoint stays and loads, and training goes on (the swap files are intact).
+TEST(DiskOffload, CheckpointWriteErrorPublishesNothing) {
+  const std::string root = test_dir("ckpt-error");
+  fsdp::testing::run_ranks(2, "gloo", [&](fsdp::ProcessGroup& pg) {
+    ::signal(SIGXFSZ, SIG_IGN);
+    DiskRun run(nvme_options(2, root));
+    const std::string ckpt = root + "/ckpt";
+    run.train(1);
+    run.save(ckpt);
+    run.train(1);
+    // Every swap write stays below the limit (their records were reserved at setup), every
+    // checkpoint file goes past it.
+    int64_t swap = 0;
+    for (const auto& f : run.strategy->swap_files()) {
+      swap = std::max<int64_t>(swap, static_cast<int64_t>(fs::file_size(f)));
+    }
+    ASSERT_GT(run.strategy->disk_plan()->state_numel * 4, swap);
+    rlimit old{};
+    ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &old), 0);
+    rlimit lim = old;
+    lim.rlim_cur = static_cast<rlim_t>(swap);
+    ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &lim), 0);
+    try {
+      run.save(ckpt);
+      ADD_FAILURE() << "a save past the file size limit succeeded";
+    } catch (const c10::Error& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("[checkpoint] saving " + ckpt + " failed on rank " +
+                         std::to_string(pg.rank())), std::string::npos) << msg;
+      EXPECT_NE(msg.find("File too large"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("nothing was published"), std::string::npos) << msg;
+    }
+    ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &old), 0);
+    pg.barrier();
+    EXPECT_FALSE(fs::exists(ckpt + ".partial"));
+    EXPECT_EQ(fsdp::inspect_checkpoint(ckpt).progress.global_step, 1);
+    run.train(1);  // the swap files were only read: training goes on
+    // The previous checkpoint loads (into the running disk tier) and the run continues from it.
+    EXPECT_EQ(fsdp::load_checkpoint(ckpt, *run.strategy, run.lm, run.opt.get()).global_step, 1);
+    run.train(1);
+
+    // A read-only checkpoint directory: rank 0 cannot create it, every rank says so.
+    const std::string ro = root + "/readonly";
+    if (pg.rank() == 0) {
+      fs::create_directories(ro);
+      fs::permissions(ro, fs::perms::owner_read | fs::perms::owner_exec);
+    }
+    pg.barrier();
+    drop_dac_override();
+    try {
+      run.save(ro + "/ckpt");
+      ADD_FAILURE() << "a save into a read-only directory succeeded";
+    } catch (const c10::Error& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("saving " + ro + "/ckpt failed"), std::string::npos) << msg;
+      if (pg.rank() == 0) {
+        EXPECT_NE(msg.find("cannot create " + ro + "/ckpt.partial"), std::string::npos) << msg;
+        EXPECT_NE(msg.find("Permission denied"), std::string::npos) << msg;
+      } else {
+        EXPECT_NE(msg.find("failed on 1 other rank(s)"), std::string::npos) << msg;
+      }
+    }
+    pg.barrier();
+    if (pg.rank() == 0) fs::permissions(ro, fs::perms::owner_all);
+    EXPECT_FALSE(fs::exists(ro + "/ckpt"));
   });
 }
 

@@ -24,7 +24,12 @@
 //
 // Saving is crash-safe: files go to DIR.partial, every file is written atomically, and only when
 // every rank is done does rank 0 write the metadata and rename DIR.partial to DIR. A rank dying
-// mid-save leaves DIR (and any earlier checkpoint) as it was.
+// mid-save leaves DIR (and any earlier checkpoint) as it was; a sharded save that fails on a
+// rank (full disk, read-only directory) is an error on every rank and publishes nothing.
+//
+// Optimizer state a strategy keeps outside the optimizer (the disk tier: Strategy::
+// streamed_optimizer_state) is streamed to and from the sharded files one buffer at a time,
+// in the same tensors a RAM run writes; the full format is an error for such runs.
 #pragma once
 
 #include "fsdp/callback.h"

@@ -176,10 +176,9 @@ class DeepSpeedStrategy : public Strategy {
   // (null without the disk tier) and its swap files.
   const DiskPlan* disk_plan() const;
   std::vector<std::string> swap_files() const;
-  // A checkpoint of a disk-offloaded optimizer is not implemented yet: refuses (before the
-  // checkpoint is published, so no checkpoint without its optimizer state appears).
-  void save_extra_state(const std::string& dir, torch::nn::Module& module,
-                        torch::optim::Optimizer* optimizer) override;
+  // With the disk tier, checkpoints stream the moments from the swap files (sharded format,
+  // the same tensors as a RAM run's): Note [Streamed optimizer state] in docs/design.md.
+  StreamedOptimizerState* streamed_optimizer_state() override;
   int64_t num_grad_buckets() const;
   // Stage 3's FSDP engine (null for stages 1 and 2), for tests and tools.
   FSDPStrategy* stage3_engine() const;

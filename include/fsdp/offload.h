@@ -26,7 +26,8 @@ struct DiskPlan {
   int64_t state_numel = 0;    // optimizer-state elements of this rank (its partition)
   int64_t sub_group_numel = 0;  // elements per sub-group (the streaming unit)
   int64_t num_sub_groups = 0;
-  int64_t disk_bytes = 0;     // swap files (exp_avg + exp_avg_sq, aligned, with headers)
+  int moments = 2;            // fp32 moments per element: exp_avg, exp_avg_sq (+ max_exp_avg_sq)
+  int64_t disk_bytes = 0;     // swap files (the moments, aligned, with headers)
   int64_t ram_bytes = 0;      // swap buffers in RAM (three sub-groups: read, step, write)
   int64_t free_bytes = -1;    // free space under nvme_path (statvfs), -1 unknown
   std::string describe() const;  // one line per item, for setup and --dry-run
@@ -34,8 +35,8 @@ struct DiskPlan {
 
 // The plan for `state_numel` fp32 Adam elements streamed in sub-groups of `sub_group_size`
 // elements, with swap files under nvme_path (free space measured with statvfs on nvme_path or
-// its closest existing parent).
+// its closest existing parent); `moments` is 3 with amsgrad.
 DiskPlan plan_disk_offload(int64_t state_numel, int64_t sub_group_size,
-                           const std::string& nvme_path);
+                           const std::string& nvme_path, int moments = 2);
 
 }  // namespace fsdp

@@ -32,6 +32,7 @@
 #include <torch/optim/optimizer.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -81,6 +82,34 @@ struct LocalShards {
   int replica_rank = 0;
   // The sharded parameters; every other parameter and buffer is held whole by every rank.
   std::vector<LocalShard> params;
+};
+
+// Optimizer state that a strategy keeps outside the optimizer's state() (the disk tier's
+// moments in swap files, src/offload/nvme_adam.h): checkpoints stream it, one buffer at a time,
+// in the format of the optimizer's own state (float32 "optim.<fqn>.<stat>" tensors with the
+// parameter's rows), so it reloads under any strategy and world size. See Note [Streamed
+// optimizer state] in docs/design.md.
+class StreamedOptimizerState {
+ public:
+  virtual ~StreamedOptimizerState() = default;
+  // The statistics kept per parameter, in this order ("exp_avg", "exp_avg_sq", and
+  // "max_exp_avg_sq" with amsgrad); all float32.
+  virtual std::vector<std::string> stats() const = 0;
+  // Whether `param` (a tensor the optimizer steps) is held here, and its step count (0: never
+  // stepped, so it has no state yet, as in torch's optimizers).
+  virtual bool holds(const at::Tensor& param) const = 0;
+  virtual int64_t step_of(const at::Tensor& param) const = 0;
+  virtual void set_step(const at::Tensor& param, int64_t step) = 0;
+  // Visits the whole state, a piece at a time: elements [offset, offset + numel) of statistic
+  // `stat` (an index into stats()) of `param`, at `data`, held in a streaming buffer. Pieces
+  // of one parameter may come in any order; every element is visited once.
+  using Visitor = std::function<void(const at::Tensor& param, int stat, int64_t offset,
+                                     float* data, int64_t numel)>;
+  // Saving: `visit` reads the pieces.
+  virtual void read_state(const Visitor& visit) = 0;
+  // Loading: `fill` overwrites what it wants of each piece (the pieces hold the current state
+  // on entry); every piece is then written back.
+  virtual void write_state(const Visitor& fill) = 0;
 };
 
 class Strategy {
@@ -139,6 +168,10 @@ class Strategy {
                                 torch::optim::Optimizer* optimizer) {}
   virtual void load_extra_state(const std::string& dir, torch::nn::Module& module,
                                 torch::optim::Optimizer* optimizer) {}
+
+  // Optimizer state this strategy keeps outside optimizer.state() (checkpoints stream it), or
+  // null when the optimizer holds its own state.
+  virtual StreamedOptimizerState* streamed_optimizer_state() { return nullptr; }
 
   // Reduces a metric over the world (for log(..., sync_dist) and the global mean loss).
   virtual at::Tensor reduce(const at::Tensor& value, ReduceOp op);

@@ -84,6 +84,11 @@ struct LocalTensor {
   int64_t row_begin = 0;            // global row of local row 0
   int64_t rows = 0;                 // valid rows held (rows past these are padding)
   bool sharded = false;             // split over the shard group; else every rank holds it all
+  // Optimizer state a StreamedOptimizerState holds (Note [Streamed optimizer state]): the
+  // tensor the optimizer steps and the statistic's index; `local` is then a meta tensor (shape
+  // and dtype, no data).
+  at::Tensor streamed;
+  int stat = 0;
   int64_t row_numel() const {
     int64_t n = 1;
     for (size_t i = 1; i < full_shape.size(); ++i) n *= full_shape[i];
@@ -201,6 +206,7 @@ Layout build_layout(Strategy* strategy, torch::nn::Module& module,
     t.rows = t.dim0;
     L.model.push_back(t);
   }
+  StreamedOptimizerState* streamed = strategy ? strategy->streamed_optimizer_state() : nullptr;
   if (optimizer) {
     json steps = json::object();
     for (const auto& item : module.named_parameters(/*recurse=*/true)) {
@@ -212,6 +218,20 @@ Layout build_layout(Strategy* strategy, torch::nn::Module& module,
       TORCH_INTERNAL_ASSERT(param);
       at::Tensor opt_tensor;
       const LocalTensor p = optimizer_layout(L, *param, item.value(), &opt_tensor);
+      if (streamed) {  // See Note [Streamed optimizer state]
+        if (!streamed->holds(opt_tensor) || streamed->step_of(opt_tensor) == 0) continue;
+        steps[item.key()] = streamed->step_of(opt_tensor);
+        const auto names = streamed->stats();
+        for (size_t k = 0; k < names.size(); ++k) {
+          LocalTensor t = p;
+          t.key = std::string(ckpt::kOptimPrefix) + item.key() + "." + names[k];
+          t.local = at::empty(p.local.sizes(), at::TensorOptions(at::kFloat).device(at::kMeta));
+          t.streamed = opt_tensor;
+          t.stat = static_cast<int>(k);
+          L.optimizer.push_back(t);
+        }
+        continue;
+      }
       auto stats = optimizer_stats(*optimizer, opt_tensor, &step);
       if (stats.empty()) continue;
       steps[item.key()] = step;
@@ -295,8 +315,10 @@ void write_full(const std::string& file, const std::vector<LocalTensor>& ts, con
 }
 
 // Sharded format: this rank's unpadded rows of its sharded tensors, plus (rank 0) the
-// replicated ones.
-void write_shard(const std::string& file, const Layout& L, int rank, int64_t step) {
+// replicated ones. Streamed optimizer state comes last: the strategy's store visits it one
+// buffer at a time and each piece goes to its place in the file.
+void write_shard(const std::string& file, const Layout& L, int rank, int64_t step,
+                 StreamedOptimizerState* streamed) {
   if (L.replica_rank != 0) return;  // See Note [Who writes a checkpoint]
   std::vector<const LocalTensor*> mine;
   for (const auto* group : {&L.model, &L.optimizer}) {
@@ -310,13 +332,53 @@ void write_shard(const std::string& file, const Layout& L, int rank, int64_t ste
                      ckpt::piece_shape(t->full_shape, t->rows)});
   }
   ckpt::SafetensorsWriter w(file, specs);
+  std::map<std::pair<const c10::TensorImpl*, int>, size_t> pieces;  // (tensor, stat) -> index
   for (size_t i = 0; i < mine.size(); ++i) {
     const LocalTensor* t = mine[i];
+    if (t->streamed.defined()) {
+      pieces[{t->streamed.unsafeGetTensorImpl(), t->stat}] = i;
+      continue;
+    }
+    TORCH_INTERNAL_ASSERT(pieces.empty(), "streamed optimizer state must come last");
     w.write(t->local.data_ptr(),
             static_cast<size_t>(t->rows * t->row_numel() * t->local.element_size()));
     if (i == 0) ckpt::maybe_crash_during_save(rank, step);
   }
+  if (!pieces.empty()) {
+    TORCH_INTERNAL_ASSERT(streamed);
+    streamed->read_state([&](const at::Tensor& param, int stat, int64_t offset, float* data,
+                             int64_t numel) {
+      auto it = pieces.find({param.unsafeGetTensorImpl(), stat});
+      if (it == pieces.end()) return;  // no state yet, or rows another rank writes
+      const LocalTensor* t = mine[it->second];
+      const int64_t valid = t->rows * t->row_numel();  // elements past these are padding
+      if (offset >= valid) return;
+      const int64_t n = std::min(numel, valid - offset);
+      w.write_at(it->second, static_cast<uint64_t>(offset) * sizeof(float), data,
+                 static_cast<size_t>(n) * sizeof(float));
+    });
+  }
   w.commit();
+}
+
+// A save fails on a rank (full disk, read-only directory): every rank learns it, throws, and
+// nothing is published; the one that failed says why.
+void agree_on_save(Strategy& strategy, const std::string& error, const fs::path& target,
+                   const fs::path& partial) {
+  at::Tensor failed = at::tensor({error.empty() ? 0.0f : 1.0f});
+  failed = strategy.reduce(failed, ReduceOp::kSum);
+  const int n = static_cast<int>(failed.item<float>());
+  if (n == 0) return;
+  if (strategy.rank() == 0) {
+    std::error_code ec;
+    fs::remove_all(partial, ec);
+  }
+  TORCH_CHECK(error.empty(), "[checkpoint] saving ", target.string(), " failed on rank ",
+              strategy.rank(), ": ", error, "; nothing was published (", target.string(),
+              " is as it was). HINT: free space or make the checkpoint directory writable");
+  TORCH_CHECK(false, "[checkpoint] saving ", target.string(), " failed on ", n, " other rank(s) "
+              "(their errors say why); nothing was published (", target.string(),
+              " is as it was)");
 }
 
 json sharded_tensor_table(const Layout& L) {
@@ -382,8 +444,52 @@ void read_local(const ckpt::Source& src, const LocalTensor& t, const at::Tensor&
   }
 }
 
-void check_rank_write(bool ok, const std::string& what) {
-  TORCH_CHECK(ok, "[checkpoint] ", what);
+// A parameter's optimizer state to load.
+struct OptLoad {
+  std::string fqn;
+  at::Tensor param;    // what the optimizer steps: as registered (sharded under FSDP), or the
+                       // partition of a whole parameter (ZeRO stages 1 and 2)
+  LocalTensor layout;  // its rows
+};
+
+// Note [Streamed optimizer state]: the checkpoint's statistics go into the strategy's store one
+// piece (part of a streaming buffer) at a time; a piece's rows are read into a temporary of at
+// most the piece plus two partial rows. Everything is checked before the first piece is written.
+void load_streamed(const ckpt::Source& src, const std::string& dir,
+                   const std::vector<OptLoad>& loads, const ckpt::CheckpointMeta& info,
+                   StreamedOptimizerState& store) {
+  const auto names = store.stats();
+  std::unordered_map<const c10::TensorImpl*, const OptLoad*> by_param;
+  for (const auto& ol : loads) {
+    if (!store.holds(ol.param)) continue;
+    for (const auto& name : names) {
+      const std::string key = std::string(ckpt::kOptimPrefix) + ol.fqn + "." + name;
+      const ckpt::SourceTensor* s = src.find(key);
+      TORCH_CHECK(s, "[checkpoint] ", dir, " lacks optimizer tensor '", key, "'",
+                  name == "max_exp_avg_sq" ? " (saved without amsgrad; this optimizer uses it)"
+                                           : "");
+      TORCH_CHECK(s->shape == ol.layout.full_shape, "[checkpoint] ", key, " is ",
+                  ckpt::shape_str(s->shape), ", its parameter ",
+                  ckpt::shape_str(ol.layout.full_shape));
+    }
+    by_param[ol.param.unsafeGetTensorImpl()] = &ol;
+  }
+  for (const auto& [impl, ol] : by_param) store.set_step(ol->param, info.optimizer_steps.at(ol->fqn));
+  store.write_state([&](const at::Tensor& param, int stat, int64_t offset, float* data,
+                        int64_t numel) {
+    auto it = by_param.find(param.unsafeGetTensorImpl());
+    if (it == by_param.end()) return;  // not in the checkpoint: keeps its state
+    const LocalTensor& t = it->second->layout;
+    const int64_t rn = t.row_numel();
+    const int64_t valid = std::clamp<int64_t>(t.rows * rn - offset, 0, numel);
+    std::fill(data + valid, data + numel, 0.0f);  // padding rows
+    if (valid == 0) return;
+    const int64_t r0 = offset / rn, r1 = (offset + valid + rn - 1) / rn;
+    at::Tensor rows = at::empty({(r1 - r0) * rn}, at::kFloat);
+    src.read_rows(std::string(ckpt::kOptimPrefix) + it->second->fqn + "." + names[stat],
+                  t.row_begin + r0, r1 - r0, rows);
+    std::copy_n(rows.const_data_ptr<float>() + (offset - r0 * rn), valid, data);
+  });
 }
 
 }  // namespace
@@ -393,6 +499,14 @@ void save_checkpoint(const std::string& dir, Strategy& strategy, torch::nn::Modu
                      StateDictType type) {
   const int rank = strategy.rank();
   const int world = strategy.world_size();
+  StreamedOptimizerState* streamed = optimizer ? strategy.streamed_optimizer_state() : nullptr;
+  TORCH_CHECK(!streamed || type == StateDictType::kSharded, "[checkpoint] ", dir, ": the "
+              "optimizer state of this run is kept outside RAM (", strategy.name(), ": "
+              "offload_optimizer_device nvme) and is saved streamed, in the sharded format only; "
+              "the full format would gather every optimizer tensor whole on rank 0. HINT: "
+              "state_dict_type \"sharded\" (fsdp-train --state-dict-type sharded); it reloads "
+              "under any strategy and world size, and `fsdp-ckpt convert` consolidates the "
+              "weights");
   json optim_meta;
   Layout L = build_layout(&strategy, module, optimizer, &optim_meta);
 
@@ -400,14 +514,14 @@ void save_checkpoint(const std::string& dir, Strategy& strategy, torch::nn::Modu
   // then rename) only after every rank has committed its files.
   const fs::path target = fs::path(dir).lexically_normal();
   const fs::path partial = target.string() + ".partial";
+  std::string error;
   if (rank == 0) {
     std::error_code ec;
     fs::remove_all(partial, ec);
     fs::create_directories(partial, ec);
-    check_rank_write(!ec, "cannot create " + partial.string() + ": " + ec.message() +
-                              "; check that the parent directory is writable");
+    if (ec) error = "cannot create " + partial.string() + ": " + ec.message();
   }
-  strategy.barrier();
+  agree_on_save(strategy, error, target, partial);
 
   json meta = {{"format", "fsdp.cpp checkpoint"},
                {"format_version", ckpt::kFormatVersion},
@@ -443,18 +557,25 @@ void save_checkpoint(const std::string& dir, Strategy& strategy, torch::nn::Modu
   }
 
   if (type == StateDictType::kFull) {
+    // Collective (all-gathers): an error here is not agreed on; the full format has no
+    // streamed state, so it fails where the sharded one would have.
     write_full((partial / ckpt::kModelFile).string(), L.model, L, rank, progress.global_step);
     if (optimizer) {
       write_full((partial / ckpt::kOptimizerFile).string(), L.optimizer, L, rank,
                  progress.global_step);
     }
+    strategy.save_extra_state(partial.string(), module, optimizer);
   } else {
-    write_shard((partial / ckpt::shard_file_name(L.shard_rank, L.shard_world)).string(), L, rank,
-                progress.global_step);
+    try {  // no collective inside: every rank gets to agree_on_save
+      write_shard((partial / ckpt::shard_file_name(L.shard_rank, L.shard_world)).string(), L,
+                  rank, progress.global_step, streamed);
+      strategy.save_extra_state(partial.string(), module, optimizer);  // e.g. DDP's comm hooks
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
     if (rank == 0) meta["tensors"] = sharded_tensor_table(L);
   }
-  strategy.save_extra_state(partial.string(), module, optimizer);  // e.g. DDP's comm hook state, per rank
-  strategy.barrier();
+  agree_on_save(strategy, error, target, partial);
 
   if (rank == 0) {
     const char* meta_file = type == StateDictType::kFull ? ckpt::kFullMetaFile
@@ -488,12 +609,6 @@ TrainingProgress load_checkpoint(const std::string& dir, Strategy& strategy,
   const ckpt::CheckpointMeta& info = src->info();
 
   // Optimizer: state for every parameter the checkpoint has state for.
-  struct OptLoad {
-    std::string fqn;
-    at::Tensor param;    // what the optimizer steps: as registered (sharded under FSDP), or
-                         // the partition of a whole parameter (ZeRO stages 1 and 2)
-    LocalTensor layout;  // its rows
-  };
   std::vector<OptLoad> opt_loads;
   if (optimizer) {
     TORCH_CHECK(info.has_optimizer, "[checkpoint] ", dir, " has no optimizer state (it "
@@ -521,7 +636,10 @@ TrainingProgress load_checkpoint(const std::string& dir, Strategy& strategy,
 
   // Data.
   for (const auto& t : L.model) read_local(*src, t, t.local);
-  if (optimizer) {
+  StreamedOptimizerState* streamed = optimizer ? strategy.streamed_optimizer_state() : nullptr;
+  if (streamed) {
+    load_streamed(*src, dir, opt_loads, info, *streamed);
+  } else if (optimizer) {
     const std::string& kind = info.optimizer_kind;
     for (const auto& ol : opt_loads) {
       auto stat = [&](const std::string& name, bool required) -> at::Tensor {

@@ -378,6 +378,7 @@ SafetensorsWriter::SafetensorsWriter(std::string path, std::vector<TensorSpec> s
   for (int i = 0; i < 8; ++i) len[i] = static_cast<uint8_t>(n >> (8 * i));
   write_raw(len, 8);
   write_raw(text.data(), text.size());
+  data_start_ = 8 + n;
 }
 
 SafetensorsWriter::~SafetensorsWriter() {
@@ -402,11 +403,36 @@ void SafetensorsWriter::write(const void* data, size_t nbytes) {
   written_ += nbytes;
 }
 
+void SafetensorsWriter::write_at(size_t tensor, uint64_t byte_offset, const void* data,
+                                 size_t nbytes) {
+  if (tensor >= specs_.size() || tensor < next_tensor() ||
+      byte_offset + nbytes > static_cast<uint64_t>(specs_[tensor].nbytes())) {
+    throw FormatError(path_ + ": positional write of " + std::to_string(nbytes) + " bytes at " +
+                      std::to_string(byte_offset) + " of tensor #" + std::to_string(tensor) +
+                      " is outside the tensors still to write");
+  }
+  const uint64_t begin = tensor == 0 ? 0 : ends_[tensor - 1];
+  const char* p = static_cast<const char*>(data);
+  uint64_t at = data_start_ + begin + byte_offset;
+  for (size_t left = nbytes; left > 0;) {
+    ssize_t w = ::pwrite(fd_, p, left, static_cast<off_t>(at));
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      throw FormatError(tmp_path_ + ": write failed: " + errno_str() +
+                        " (disk full or read-only?)");
+    }
+    p += w;
+    at += static_cast<uint64_t>(w);
+    left -= static_cast<size_t>(w);
+  }
+  placed_ += nbytes;
+}
+
 void SafetensorsWriter::commit() {
   uint64_t total = ends_.empty() ? 0 : ends_.back();
-  if (written_ != total) {
+  if (written_ + placed_ != total) {
     size_t t = next_tensor();
-    throw FormatError(path_ + ": commit after " + std::to_string(written_) + " of " +
+    throw FormatError(path_ + ": commit after " + std::to_string(written_ + placed_) + " of " +
                       std::to_string(total) + " data bytes (tensor '" +
                       (t < specs_.size() ? specs_[t].name : std::string("?")) +
                       "' incomplete)");

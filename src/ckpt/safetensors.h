@@ -114,6 +114,11 @@ class SafetensorsWriter {
 
   // Appends bytes of the current tensor (may span the end of one tensor into the next).
   void write(const void* data, size_t nbytes);
+  // Writes bytes [byte_offset, byte_offset + nbytes) of tensor `tensor` in place (pwrite), for
+  // data that arrives out of order (optimizer state streamed from the disk tier). Only for
+  // tensors that write() does not reach: call write() for the leading tensors first. Every byte
+  // must be written exactly once; commit() counts them.
+  void write_at(size_t tensor, uint64_t byte_offset, const void* data, size_t nbytes);
   // Index of the tensor the next write() goes to (specs().size() when all are written).
   size_t next_tensor() const;
   const std::vector<TensorSpec>& specs() const { return specs_; }
@@ -125,7 +130,9 @@ class SafetensorsWriter {
   std::string tmp_path_;
   std::vector<TensorSpec> specs_;
   std::vector<uint64_t> ends_;  // cumulative end offset per tensor
-  uint64_t written_ = 0;        // data-section bytes written
+  uint64_t written_ = 0;        // data-section bytes written by write()
+  uint64_t placed_ = 0;         // and by write_at()
+  uint64_t data_start_ = 0;     // file offset of the data section
   int fd_ = -1;
   bool committed_ = false;
 };

@@ -110,6 +110,18 @@ void Trainer::setup_callbacks() {
     mc.save_last = true;
     fit_callbacks_.push_back(std::make_shared<ModelCheckpoint>(mc));
   }
+  // Optimizer state streamed from disk is saved in the sharded format only (Note [Streamed
+  // optimizer state]): say so before training rather than at the first save.
+  if (strategy_->streamed_optimizer_state() &&
+      parse_state_dict_type(o.state_dict_type) == StateDictType::kFull) {
+    for (const auto& cb : fit_callbacks_) {
+      TORCH_CHECK(!dynamic_cast<ModelCheckpoint*>(cb.get()), "[Trainer] this run's optimizer "
+                  "state is on disk (", strategy_->name(), ", offload_optimizer_device nvme): "
+                  "its checkpoints are saved in the sharded format only, and state_dict_type is "
+                  "\"full\". HINT: state_dict_type \"sharded\" (fsdp-train --state-dict-type "
+                  "sharded)");
+    }
+  }
 }
 
 }  // namespace fsdp

@@ -3,11 +3,13 @@
 // current one with the CPU Adam kernel, write the previous one (ZeRO-Infinity's optimizer
 // swapper with pipeline_read / pipeline_write). A strategy calls step(optimizer) in place of
 // optimizer.step(); the torch optimizer then only carries the parameter groups and
-// hyper-parameters (lr from a scheduler included) and never holds state.
-// See Note [Disk tier swapper] in docs/design.md.
+// hyper-parameters (lr from a scheduler included) and never holds state. Checkpoints stream
+// the moments through the same buffers (fsdp::StreamedOptimizerState).
+// See Note [Disk tier swapper] and Note [Streamed optimizer state] in docs/design.md.
 #pragma once
 
 #include "fsdp/offload.h"
+#include "fsdp/strategy.h"
 #include "offload/aio.h"
 #include "offload/swap_file.h"
 #include "optim/cpu_adam_spans.h"
@@ -18,11 +20,12 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace fsdp::detail {
 
-class NvmeAdam {
+class NvmeAdam : public StreamedOptimizerState {
  public:
   struct Options {
     std::string nvme_path;
@@ -36,9 +39,10 @@ class NvmeAdam {
   // Takes the optimizer's parameters (this rank's partitions or shards, in group order) and
   // checks the plan against the free space under nvme_path and the memory budget before it
   // allocates; then creates the swap files. Refuses an optimizer that is not Adam / AdamW /
-  // fsdp::optim::CPUAdam, amsgrad, or one that already holds state.
+  // fsdp::optim::CPUAdam, amsgrad in some parameter groups only, or one that already holds
+  // state. With amsgrad a third moment (max_exp_avg_sq) is streamed.
   NvmeAdam(torch::optim::Optimizer& optimizer, Options options);
-  ~NvmeAdam();
+  ~NvmeAdam() override;
 
   // One optimizer step of every parameter with a gradient, the moments streamed from and back
   // to disk. After an I/O error or a corrupt record every later call fails too.
@@ -49,18 +53,33 @@ class NvmeAdam {
   const std::string& dir() const { return dir_->path(); }
   // Bytes read and written by the swapper so far.
   int64_t io_bytes() const { return engine_->bytes_done(); }
+  // RAM of the streaming buffers (what step, read_state and write_state use).
+  int64_t buffer_bytes() const;
+
+  // StreamedOptimizerState: checkpoints stream the moments sub-group by sub-group through the
+  // step's buffers (reading the next sub-group while the current one is visited).
+  std::vector<std::string> stats() const override;
+  bool holds(const at::Tensor& param) const override;
+  int64_t step_of(const at::Tensor& param) const override;
+  void set_step(const at::Tensor& param, int64_t step) override;
+  void read_state(const Visitor& visit) override;
+  void write_state(const Visitor& fill) override;
 
  private:
   struct Slot;  // a parameter's place in the flat state
   struct Buffer;
   void load(int64_t g, Buffer& b);
   void step_sub_group(int64_t g, Buffer& b);
+  void stream(const Visitor& visit, bool write_back);
+  size_t slot_of(const at::Tensor& param) const;
 
   Options options_;
   DiskPlan plan_;
   bool adamw_mode_ = true;
   bool bias_correction_ = true;
+  int moments_ = 2;  // exp_avg, exp_avg_sq (+ max_exp_avg_sq with amsgrad)
   std::vector<Slot> slots_;
+  std::unordered_map<const c10::TensorImpl*, size_t> slot_index_;
   std::vector<cpu_adam::Hyper> hypers_;  // per parameter group, read at every step
   std::vector<int64_t> steps_;        // per parameter, as torch's state "step"
   std::vector<uint64_t> generation_;  // per sub-group: writes that landed (0: never written)

@@ -399,12 +399,8 @@ std::vector<std::string> DeepSpeedStrategy::swap_files() const {
   return impl_->nvme ? impl_->nvme->files() : std::vector<std::string>{};
 }
 
-void DeepSpeedStrategy::save_extra_state(const std::string& dir, torch::nn::Module& module,
-                                         torch::optim::Optimizer* optimizer) {
-  TORCH_CHECK(!impl_->nvme || !optimizer, "[deepspeed] saving a checkpoint of a run whose "
-              "optimizer state is on disk (offload_optimizer_device nvme) is not implemented "
-              "yet; the checkpoint '", dir, "' is not published. HINT: save the model only "
-              "(no optimizer), or use offload_optimizer_device \"cpu\" for resumable runs");
+StreamedOptimizerState* DeepSpeedStrategy::streamed_optimizer_state() {
+  return impl_->nvme.get();
 }
 
 void DeepSpeedStrategy::pre_forward(LightningModule& module, bool sync) {
