@@ -135,7 +135,9 @@ void parity_with_disk(int world_size, const std::string& backend) {
         fsdp::testing::expect_losses_close(got, want, 1e-5);
         fsdp::testing::expect_params_close(strategy->gather_full_params(), ref, 1e-5);
         // During training the state is in the swap files: they exist, are sealed records of
-        // the last write (one per step), and hold the plan's bytes.
+        // the last write (one per step, the last ones landed once flushed), and hold the plan's
+        // bytes.
+        strategy->flush_disk_tier();
         ASSERT_TRUE(fs::is_directory(rank_dir)) << rank_dir;
         int64_t bytes = 0;
         for (const auto& f : strategy->swap_files()) {
@@ -277,15 +279,20 @@ TEST(DiskOffload, AmsgradAndStreamedStateMatchTorch) {
     EXPECT_EQ(nvme.stats().size(), amsgrad ? 3u : 2u);
     EXPECT_EQ(static_cast<int64_t>(fs::file_size(nvme.files()[0])),
               4096 + (amsgrad ? 3 : 2) * 4096);  // 700 fp32 elements per moment, aligned
-    for (int step = 0; step < 4; ++step) {
-      ref.set_grads(step);
-      disk.set_grads(step);
-      ref.opt->step();
-      nvme.step(*disk.opt);
-    }
-    for (size_t i = 0; i < ref.params.size(); ++i) {
-      EXPECT_TRUE(at::allclose(disk.params[i], ref.params[i], 1e-6, 1e-7)) << "parameter " << i;
-    }
+    // Steps [from, to) of torch's optimizer and of the disk tier: the same parameters.
+    auto same_steps = [&](Toy& toy, fsdp::detail::NvmeAdam& tier, int from, int to) {
+      for (int step = from; step < to; ++step) {
+        ref.set_grads(step);
+        toy.set_grads(step);
+        ref.opt->step();
+        tier.step(*toy.opt);
+      }
+      for (size_t i = 0; i < ref.params.size(); ++i) {
+        EXPECT_TRUE(at::allclose(toy.params[i], ref.params[i], 1e-6, 1e-7))
+            << "parameter " << i << " after step " << to;
+      }
+    };
+    same_steps(disk, nvme, 0, 4);
     // read_state: every element of every statistic once, equal to torch's.
     std::map<std::pair<const c10::TensorImpl*, int>, at::Tensor> seen;
     nvme.read_state([&](const at::Tensor& p, int stat, int64_t offset, float* data, int64_t n) {
@@ -326,16 +333,7 @@ TEST(DiskOffload, AmsgradAndStreamedStateMatchTorch) {
       std::memcpy(data, st.at(stat).second.reshape({-1}).narrow(0, offset, n).const_data_ptr<float>(),
                   static_cast<size_t>(n) * sizeof(float));
     });
-    for (int step = 4; step < 7; ++step) {
-      ref.set_grads(step);
-      resumed.set_grads(step);
-      ref.opt->step();
-      again.step(*resumed.opt);
-    }
-    for (size_t i = 0; i < ref.params.size(); ++i) {
-      EXPECT_TRUE(at::allclose(resumed.params[i], ref.params[i], 1e-6, 1e-7))
-          << "parameter " << i << " after write_state";
-    }
+    same_steps(resumed, again, 4, 7);
   }
   // amsgrad in some groups only is refused: the swap files hold the same moments for all.
   Toy mixed(true, 3, false);
@@ -357,11 +355,13 @@ TEST(DiskOffload, CorruptedOrStaleSwapFileIsDetected) {
     fsdp::detail::NvmeAdam nvme(*toy.opt, toy_options(dir, "job-" + how));
     toy.set_grads(0);
     nvme.step(*toy.opt);
+    nvme.flush();  // the step's last writes may still be in flight
     const std::string f = nvme.files()[3];
     const std::string saved = dir + "/saved.bin";
     fs::copy_file(f, saved, fs::copy_options::overwrite_existing);
     toy.set_grads(1);
     nvme.step(*toy.opt);
+    nvme.flush();
     if (how == "flip") {  // one bit of exp_avg_sq flipped on disk
       std::fstream io(f, std::ios::in | std::ios::out | std::ios::binary);
       io.seekg(4096 + 3000);
@@ -442,6 +442,7 @@ TEST(DiskOffload, WriteFailingMidRunStopsTrainingClearly) {
     fsdp::detail::NvmeAdam nvme(*toy.opt, toy_options(dir, "job"));
     toy.set_grads(0);
     nvme.step(*toy.opt);
+    nvme.flush();  // step 0's last writes land before the limit
     rlimit lim{4096, 4096};  // now every payload write goes past the limit
     ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &lim), 0);
     toy.set_grads(1);

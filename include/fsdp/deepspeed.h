@@ -176,6 +176,9 @@ class DeepSpeedStrategy : public Strategy {
   // (null without the disk tier) and its swap files.
   const DiskPlan* disk_plan() const;
   std::vector<std::string> swap_files() const;
+  // Waits for the disk tier's writes still in flight (a step's last writes overlap the next
+  // forward): the swap files then hold the last step. A no-op without the disk tier.
+  void flush_disk_tier();
   // With the disk tier, checkpoints stream the moments from the swap files (sharded format,
   // the same tensors as a RAM run's): Note [Streamed optimizer state] in docs/design.md.
   StreamedOptimizerState* streamed_optimizer_state() override;

@@ -248,6 +248,18 @@ void NvmeAdam::step(torch::optim::Optimizer& optimizer) {
       if (g + 1 < G) load(g + 1, buffers_[(g + 1) % nb]);
       step_sub_group(g, buffers_[g % nb]);
     }
+  } catch (const std::exception& e) {
+    failed_ = e.what();
+    throw;
+  }
+  // Note [Disk tier swapper]: sub-group g always uses buffer g % nb and a buffer is refilled
+  // only after its previous write landed, so the next read of any sub-group waits for its
+  // write; the last writes can overlap the next forward.
+  if (!options_.overlap_last_writes) flush();
+}
+
+void NvmeAdam::flush() {
+  try {
     for (auto& b : buffers_) {
       AioEngine::wait(b.write);
       b.write.reset();

@@ -35,6 +35,10 @@ class NvmeAdam : public StreamedOptimizerState {
     int64_t sub_group_size = 1000000000;  // elements streamed per sub-group
     AioOptions aio;
     std::string who = "[deepspeed]";  // prefix of messages
+    // The step's last writes (the final sub-groups) are left in flight, overlapping whatever
+    // runs next (the next forward); false waits for them before step() returns (the
+    // benchmark's baseline). See Note [Disk tier swapper].
+    bool overlap_last_writes = true;
   };
   // Takes the optimizer's parameters (this rank's partitions or shards, in group order) and
   // checks the plan against the free space under nvme_path and the memory budget before it
@@ -45,8 +49,14 @@ class NvmeAdam : public StreamedOptimizerState {
   ~NvmeAdam() override;
 
   // One optimizer step of every parameter with a gradient, the moments streamed from and back
-  // to disk. After an I/O error or a corrupt record every later call fails too.
+  // to disk. After an I/O error or a corrupt record every later call fails too. Its last writes
+  // may still be in flight when it returns (Options::overlap_last_writes): a later read of the
+  // same sub-group, read_state/write_state and the destructor wait for them; a failure
+  // surfaces there.
   void step(torch::optim::Optimizer& optimizer);
+  // Waits for every write in flight (the swap files then hold the last step); throws the
+  // first failure, after which the tier refuses to go on.
+  void flush();
 
   const DiskPlan& plan() const { return plan_; }
   const std::vector<std::string>& files() const { return dir_->files(); }

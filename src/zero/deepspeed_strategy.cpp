@@ -399,6 +399,10 @@ std::vector<std::string> DeepSpeedStrategy::swap_files() const {
   return impl_->nvme ? impl_->nvme->files() : std::vector<std::string>{};
 }
 
+void DeepSpeedStrategy::flush_disk_tier() {
+  if (impl_->nvme) impl_->nvme->flush();
+}
+
 StreamedOptimizerState* DeepSpeedStrategy::streamed_optimizer_state() {
   return impl_->nvme.get();
 }
