@@ -18,14 +18,11 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <iostream>
 #include <sstream>
 #include <string>
@@ -48,29 +45,8 @@ struct Config {
   std::string work_dir;
   bool json_only = false;
   std::string only;  // comma list of column labels to run (empty: all)
+  double timeout_s = 7200;  // per fsdp-train run (transformer-1b steps take ~45 s)
 };
-
-std::string quote(const std::string& s) {
-  std::string out = "'";
-  for (char c : s) out += (c == '\'') ? std::string("'\\''") : std::string(1, c);
-  return out + "'";
-}
-
-std::string read_file(const fs::path& p) {
-  std::ifstream f(p);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-
-int run(const std::vector<std::string>& argv, const fs::path& out, const fs::path& err) {
-  std::string cmd;
-  for (const auto& a : argv) cmd += quote(a) + " ";
-  cmd += "> " + quote(out.string()) + " 2> " + quote(err.string());
-  const int status = std::system(cmd.c_str());
-  if (status == -1) return -1;
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-}
 
 double max_of(const json& list) {
   double m = 0;
@@ -98,19 +74,17 @@ json run_one(const Config& c, const Entry& e) {
   if (c.vocab_size > 0) argv.insert(argv.end(), {"--vocab-size", std::to_string(c.vocab_size)});
   argv.insert(argv.end(), e.extra.begin(), e.extra.end());
   std::fprintf(stderr, "[bench strategies] %s on %d rank(s) ...\n", e.label.c_str(), c.devices);
-  const int code = run(argv, dir / (e.label + ".out"), dir / (e.label + ".err"));
+  const int code = fsdp::bench::run_program(argv, dir / (e.label + ".out"),
+                                            dir / (e.label + ".err"), c.timeout_s);
   json r;
   r["strategy"] = e.label;
-  std::string cmd;
-  for (const auto& a : argv) cmd += (cmd.empty() ? "" : " ") + a;
-  r["command"] = cmd;
+  r["command"] = fsdp::bench::command_line(argv);
   if (code != 0 || !fs::exists(summary)) {
-    std::string err = read_file(dir / (e.label + ".err"));
-    if (err.size() > 1500) err = "..." + err.substr(err.size() - 1500);
-    r["error"] = "fsdp-train exited with status " + std::to_string(code) + ": " + err;
+    r["error"] = "fsdp-train exited with status " + std::to_string(code) + ": " +
+                 fsdp::bench::tail(fsdp::bench::read_text(dir / (e.label + ".err")));
     return r;
   }
-  json s = json::parse(read_file(summary));
+  json s = json::parse(fsdp::bench::read_text(summary));
   r["it_per_s"] = s["it_per_s"];
   r["peak_alloc_mb"] = max_of(s["peak_alloc_mb"]);
   r["peak_rss_mb"] = max_of(s["peak_rss_mb"]);
@@ -118,12 +92,6 @@ json run_one(const Config& c, const Entry& e) {
   r["params"] = s["params"];
   r["final_loss"] = s["final_loss"];
   return r;
-}
-
-std::string fmt(double v, int prec) {
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), "%.*f", prec, v);
-  return buf;
 }
 
 int run_strategies(const std::vector<std::string>& args) {
@@ -236,8 +204,8 @@ int run_strategies(const std::vector<std::string>& args) {
         t << " error |";
         continue;
       }
-      t << " " << fmt(r[key].get<double>(), prec);
-      if (r.contains(ratio)) t << " (" << fmt(r[ratio].get<double>(), 2) << "x)";
+      t << " " << fsdp::bench::fixed(r[key].get<double>(), prec);
+      if (r.contains(ratio)) t << " (" << fsdp::bench::fixed(r[ratio].get<double>(), 2) << "x)";
       t << " |";
     }
   };

@@ -109,7 +109,9 @@ TEST(WikiText2, MissingSplitNamesDirectoryAndFile) {
 
 TEST(WikiText2, SharedDataVocabularyOfValidAndTest) {
   const std::string dir = fsdp::testing::wikitext2_dir();
-  if (dir.empty()) GTEST_SKIP() << "[fsdp-skip] ../shared/data/wikitext-2 is absent; WikiText-2 test skipped";
+  if (dir.empty()) {
+    GTEST_SKIP() << "[fsdp-skip] ../shared/data/wikitext-2 is absent; WikiText-2 test skipped";
+  }
   fsdp::demos::WikiText2 valid(dir, "valid");
   fsdp::demos::WikiText2 test(dir, "test");
   EXPECT_EQ(valid.vocab_size(), test.vocab_size());

@@ -232,7 +232,8 @@ std::vector<double> cli_losses(const std::vector<std::string>& extra, const std:
 
 TEST(CliParity, SingleBatch12AndDdpOn3RanksBatch4GiveTheSameLosses) {
   if (!fs::exists(fsdp::testing::bin_path("fsdp-train"))) {
-    GTEST_SKIP() << "[fsdp-skip] fsdp-train is not built (" << fsdp::testing::bin_path("fsdp-train") << ")";
+    GTEST_SKIP() << "[fsdp-skip] fsdp-train is not built ("
+                 << fsdp::testing::bin_path("fsdp-train") << ")";
   }
   auto single = cli_losses({"--strategy", "single", "--devices", "1", "--batch-size", "12"},
                            "single");

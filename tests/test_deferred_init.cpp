@@ -9,6 +9,7 @@
 #include "fsdp/models.h"
 #include "fsdp/trainer.h"
 #include "shard/fsdp_strategy_impl.h"
+#include "fully_shard_common.h"
 #include "testing.h"
 
 #include <gtest/gtest.h>
@@ -67,14 +68,7 @@ std::shared_ptr<fsdp::FSDPStrategy> fsdp_strategy(const std::string& model_name,
   o.sharding_strategy = ss;
   o.auto_wrap_policy = fsdp::AutoWrapPolicy::of_types(fsdp::demos::layer_types(model_name));
   o.deferred_init = deferred;
-  auto s = std::make_shared<fsdp::FSDPStrategy>(o);
-  auto world = fsdp::world_group();
-  fsdp::LaunchInfo launch;
-  launch.rank = world->rank();
-  launch.world_size = world->size();
-  launch.local_world_size = world->size();
-  s->connect(world, launch);
-  return s;
+  return fsdp::testing::connect_to_world(std::make_shared<fsdp::FSDPStrategy>(o));
 }
 
 int64_t expected_units(const std::string& model_name) {

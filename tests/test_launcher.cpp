@@ -353,7 +353,8 @@ TEST(OomKill, RankKilledByTheKernelIsNamedByFsdpRun) {
   const std::filesystem::path cg = root / ("fsdp-test-oom-" + std::to_string(::getpid()));
   std::error_code ec;
   if (!std::filesystem::create_directory(cg, ec)) {
-    GTEST_SKIP() << "[fsdp-skip] no writable memory cgroup at " << root << " (" << ec.message() << ")";
+    GTEST_SKIP() << "[fsdp-skip] no writable memory cgroup at " << root << " (" << ec.message()
+                 << ")";
   }
   { std::ofstream(cg / "memory.limit_in_bytes") << (256 << 20); }
   const std::string sh = "echo $$ > '" + (cg / "cgroup.procs").string() + "' && exec '" +
