@@ -16,8 +16,8 @@
 //               (goal >= 0.5; compute that the pipeline does not hide counts against it)
 //   overlap     step + --forward-ms of matmuls standing in for the next forward, --steps
 //               times, with the step's last writes waited for at its end ("wait") vs left in
-//               flight over the compute ("overlap", the default): median step + forward time
-//               of each and their ratio ("speedup")
+//               flight over the compute ("overlap", off by default): median step + forward
+//               time of each and their ratio ("speedup")
 // Prints JSON on stdout and the load average at start and end (the numbers depend on it).
 #include "bench.h"
 #include "runs.h"

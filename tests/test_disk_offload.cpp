@@ -197,6 +197,7 @@ fsdp::detail::NvmeAdam::Options toy_options(const std::string& dir, const std::s
   o.sub_group_size = 700;  // 6 sub-groups, boundaries inside parameters
   o.aio.block_size = 4096;
   o.aio.queue_depth = 3;
+  o.overlap_last_writes = true;  // reads, flush() and streams after writes left in flight
   return o;
 }
 

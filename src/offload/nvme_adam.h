@@ -35,10 +35,11 @@ class NvmeAdam : public StreamedOptimizerState {
     int64_t sub_group_size = 1000000000;  // elements streamed per sub-group
     AioOptions aio;
     std::string who = "[deepspeed]";  // prefix of messages
-    // The step's last writes (the final sub-groups) are left in flight, overlapping whatever
-    // runs next (the next forward); false waits for them before step() returns (the
-    // benchmark's baseline). See Note [Disk tier swapper].
-    bool overlap_last_writes = true;
+    // true: the step's last writes (the final sub-groups) are left in flight, overlapping
+    // whatever runs next (the next forward). Off by default: on this 2-core machine the
+    // kernel's work for writes in flight slowed the next forward's parallel kernels more than
+    // the wait costs (`fsdp-bench offload`, overlap part). See Note [Disk tier swapper].
+    bool overlap_last_writes = false;
   };
   // Takes the optimizer's parameters (this rank's partitions or shards, in group order) and
   // checks the plan against the free space under nvme_path and the memory budget before it
