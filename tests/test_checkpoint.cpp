@@ -32,6 +32,14 @@ std::string scratch(const std::string& name) {
   return (fs::path(FSDP_BIN_DIR) / ".." / "ckpt-test" / name).lexically_normal().string();
 }
 
+// The disk tier's swap directory: one per test, because ctest runs tests in parallel and each
+// disk test checks that its own runs left no swap files (a shared directory saw the other
+// test's live files). The child ranks run the same test, so they compute the same path.
+fs::path nvme_dir() {
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  return fs::temp_directory_path() / "fsdp_ckpt_nvme" / (info ? info->name() : "no-test");
+}
+
 // Parent-only setup (children re-run the test body up to their run_ranks call).
 void fresh_dir(const std::string& dir) {
   if (fsdp::testing::in_child_rank()) return;
@@ -66,7 +74,7 @@ struct Run {
       if (nvme != std::string::npos) {
         o.offload_optimizer = true;
         o.offload_optimizer_device = "nvme";
-        o.nvme_path = (fs::temp_directory_path() / "fsdp_ckpt_nvme").string();
+        o.nvme_path = nvme_dir().string();
         o.sub_group_size = 5000;  // several sub-groups, boundaries inside parameters
         o.aio.block_size = 8192;
         o.aio.queue_depth = 4;
@@ -446,8 +454,8 @@ void disk_resume(int world, const std::string& backend) {
     if (stage == "deepspeed_stage_2") check_resume(dir, 1, backend, "fsdp", 1e-5);
   }
   if (!fsdp::testing::in_child_rank()) {
-    EXPECT_TRUE(fs::is_empty(fs::temp_directory_path() / "fsdp_ckpt_nvme"))
-        << "swap files left after the runs";
+    const fs::path d = nvme_dir();
+    EXPECT_TRUE(!fs::exists(d) || fs::is_empty(d)) << "swap files left after the runs in " << d;
   }
 }
 

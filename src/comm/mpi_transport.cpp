@@ -298,6 +298,16 @@ void finalize_mpi() {
   thread.reset();
 }
 
+void abort_mpi_job(int code) {
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (!initialized || finalized) return;
+  // Called from a thread other than the comm thread: MPI_Abort is the one call OpenMPI makes
+  // safe for that (it does not wait for the library's progress), and nothing runs after it.
+  MPI_Abort(MPI_COMM_WORLD, code);
+}
+
 #else  // !FSDP_WITH_MPI
 
 MpiWorld make_mpi_world() {
@@ -306,6 +316,7 @@ MpiWorld make_mpi_world() {
               "-DFSDP_WITH_MPI=ON (needs libopenmpi-dev) or use backend 'gloo'");
 }
 void finalize_mpi() {}
+void abort_mpi_job(int) {}
 
 #endif
 

@@ -25,5 +25,10 @@ bool mpi_built();
 MpiWorld make_mpi_world();
 // MPI_Finalize on the comm thread (at exit). Skipped when a collective is stuck.
 void finalize_mpi();
+// For a rank that is failing under mpirun: MPI_Abort(MPI_COMM_WORLD, code) when MPI is
+// initialised and not finalised (mpirun then stops every rank and exits with the code; a rank
+// that just exits non-zero can leave OpenMPI 4.1's mpirun hung with its ranks reaped as
+// zombies, open-mpi/ompi#3380). Returns when MPI is not in use in this process.
+void abort_mpi_job(int code);
 
 }  // namespace fsdp::detail
