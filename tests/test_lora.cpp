@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include <filesystem>
+#include <iostream>
 
 namespace {
 
@@ -235,6 +236,7 @@ TEST(Lora, KbitUpcastChoosesWhichParametersAreFp32) {
     }
   }
   EXPECT_GT(largest, 0.0);  // bf16 embeddings/head really changed the computation
+  std::cout << "[kbit_upcast] largest relative loss difference to 'all': " << largest << "\n";
   EXPECT_EQ(fsdp::parse_kbit_upcast("norms"), fsdp::KbitUpcast::kNorms);
   EXPECT_THROW(fsdp::parse_kbit_upcast("half"), c10::Error);
 }
