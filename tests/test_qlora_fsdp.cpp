@@ -27,12 +27,15 @@ namespace {
 using fsdp::testing::LoopConfig;
 
 // A tiny Llama written by save_llama (vocab 256 >= the test batches' 64 tokens).
-std::string model_dir() {
-  const std::string dir = fsdp::testing::hf_scratch("qlora_fsdp_model", /*keep=*/true);
+// tied: the head shares the embedding table (tie_word_embeddings).
+std::string model_dir(bool tied = false) {
+  const std::string dir =
+      fsdp::testing::hf_scratch(tied ? "qlora_fsdp_model_tied" : "qlora_fsdp_model", /*keep=*/true);
   if (!fsdp::testing::in_child_rank()) {
     torch::manual_seed(123);
     fsdp::LlamaConfig c = fsdp::llama_preset("llama-tiny");
     c.num_hidden_layers = 3;
+    c.tie_word_embeddings = tied;
     fsdp::LlamaForCausalLM m(c);
     fsdp::save_llama(m, dir, at::kBFloat16);  // bf16 on disk, as Llama checkpoints
   }
@@ -197,7 +200,10 @@ TEST(QLoraFsdp, MatchesSingleProcessWorld3Mpi) { parity(3, "mpi"); }
 // (NF4 base layers, the dense head with an adapter) give, gathered, exactly the parameters of
 // the single-process merge_lora / unmerge_lora; the single-process version refuses the sharded
 // model and names the FSDP one. See Note [Merging sharded adapters].
-void check_merge(const std::string& dir, const std::string& adapter, int world_expected) {
+// bf16_params: FSDP computes with bf16 unsharded parameters (MixedPrecisionPolicy), the shards
+// stay fp32; the merge works on the fp32 shards.
+void check_merge(const std::string& dir, const std::string& adapter, int world_expected,
+                 bool bf16_params = false) {
   QLoraLM ref;
   ref.dir = dir;
   ref.adapter = adapter;
@@ -217,6 +223,11 @@ void check_merge(const std::string& dir, const std::string& adapter, int world_e
   ASSERT_EQ(world->size(), world_expected);
   fsdp::FSDPOptions o;
   o.auto_wrap_policy = fsdp::AutoWrapPolicy::of_types(fsdp::llama_layer_types());
+  if (bf16_params) {
+    fsdp::MixedPrecisionPolicy mp;
+    mp.param_dtype = at::kBFloat16;
+    o.mixed_precision = mp;
+  }
   fsdp::FSDPStrategy strategy(o);
   fsdp::LaunchInfo launch;
   launch.rank = world->rank();
@@ -274,6 +285,22 @@ void merge_parity(int world) {
 TEST(QLoraFsdp, MergeShardedEqualsSingleProcessWorld2) { merge_parity(2); }
 
 TEST(QLoraFsdp, MergeShardedEqualsSingleProcessWorld3) { merge_parity(3); }
+
+// The head tied to the embeddings and a LoRA target: the merge goes into the shared table (held
+// by the root unit), under bf16 mixed precision.
+TEST(QLoraFsdp, MergeShardedTiedHeadBf16ParamsWorld2) {
+  const std::string dir = model_dir(/*tied=*/true), adapter = adapter_dir(dir);
+  fsdp::testing::run_ranks(2, "gloo", [&](fsdp::ProcessGroup&) {
+    QLoraLM probe;
+    probe.dir = dir;
+    probe.adapter = adapter;
+    probe.configure_model();
+    auto head = std::dynamic_pointer_cast<fsdp::LoraLinear>(probe.model->lm_head);
+    ASSERT_TRUE(head);
+    ASSERT_TRUE(std::dynamic_pointer_cast<fsdp::TiedLinear>(head->base_layer));
+    check_merge(dir, adapter, 2, /*bf16_params=*/true);
+  });
+}
 
 TEST(QLoraFsdp, EightBitAdamWBf16ComputeWorld2) {
   const std::string dir = model_dir(), adapter = adapter_dir(dir);
