@@ -114,14 +114,14 @@ std::vector<std::pair<std::string, at::Tensor>> lora_parameters(torch::nn::Modul
 void merge_lora(torch::nn::Module& root);
 void unmerge_lora(torch::nn::Module& root);
 
-// The same on a model sharded by `strategy` (FULL_SHARD / SHARD_GRAD_OP / HYBRID_SHARD /
-// NO_SHARD; collective: every rank of the strategy calls it). Unit by unit: each FSDP unit is
-// unsharded (its parameters all-gathered), its adapters merged into its base weights (dense:
-// added; 4-bit: dequantized, added, quantized again, as the single-process merge), and the
-// merged weights written back into this rank's shards before the next unit is gathered, so a
-// rank holds at most one unit's full parameters beside its shards. Results equal the
-// single-process merge_lora bit for bit. See Note [Merging sharded adapters] in
-// src/lora/lora_fsdp.cpp.
+// The same on a model sharded by `strategy` (after setup_module; collective: every rank of the
+// strategy calls it). Layer by layer: each adapted layer's lora_A, lora_B and base tensors are
+// gathered from their shards, merged as the single-process merge does (dense: added; tied
+// head: into the shared table; 4-bit: dequantized, added, quantized again), and each rank
+// writes its own rows of the result back into its shards, so a rank holds at most one layer's
+// full tensors beside its shards. Results equal the single-process merge_lora bit for bit
+// (tested with FULL_SHARD at worlds 2 and 3, also under bf16 mixed precision). See Note
+// [Merging sharded adapters] in src/shard/lora_merge.cpp.
 void merge_lora(FSDPStrategy& strategy, torch::nn::Module& root);
 void unmerge_lora(FSDPStrategy& strategy, torch::nn::Module& root);
 
