@@ -53,6 +53,7 @@ struct Args {
   bool double_quant = true;
   std::string compute_dtype = "bfloat16";
   std::string base_dtype = "float32";  // non-quantized base parameters (torch_dtype)
+  std::string kbit_upcast = "all";     // which of them prepare_model_for_kbit_training makes fp32
   // LoRA
   int64_t lora_r = 8;
   double lora_alpha = 16;
@@ -118,6 +119,7 @@ fsdp::HfLoadOptions load_options(const Args& a) {
     q.compute_dtype = parse_dtype(a.compute_dtype, "--bnb-4bit-compute-dtype");
     o.quantization = q;
     o.prepare_for_kbit_training = true;  // prepare_model_for_kbit_training (parameters part)
+    o.kbit_upcast = fsdp::parse_kbit_upcast(a.kbit_upcast, "fsdp-finetune --kbit-upcast");
   }
   fsdp::LoraConfig lora;
   lora.r = a.lora_r;
@@ -446,6 +448,16 @@ int run(const Args& a) {
     j["peak_alloc_mb"] = alloc;
     j["peak_rss_mb"] = rss;
     j["setup_peak_alloc_mb"] = setup_alloc;
+    // Per rank: the training peak by category (Note [Memory categories] in fsdp/memory.h).
+    nlohmann::json breakdown = nlohmann::json::array();
+    for (const auto& rank : r.peak_breakdown_bytes) {
+      nlohmann::json m = nlohmann::json::object();
+      for (const auto& [name, bytes] : rank) m[name] = bytes / 1048576.0;
+      breakdown.push_back(m);
+    }
+    j["peak_breakdown_mb"] = breakdown;
+    j["kbit_upcast"] = a.load_in_4bit ? a.kbit_upcast : "n/a";
+    j["base_dtype"] = a.base_dtype;
     j["losses"] = r.losses;
     std::ofstream f(a.summary_json);
     TORCH_CHECK(f, "[fsdp-finetune] cannot write --summary-json '", a.summary_json, "'");
@@ -474,6 +486,10 @@ int main(int argc, char** argv) {
   app.add_flag("--bnb-4bit-use-double-quant,!--no-double-quant", a.double_quant, "8-bit absmaxes (double quantization)");
   app.add_option("--bnb-4bit-compute-dtype", a.compute_dtype, "4-bit layers compute in: bfloat16 | float32");
   app.add_option("--base-dtype", a.base_dtype, "dtype of the non-quantized base parameters: float32 | bfloat16");
+  app.add_option("--kbit-upcast", a.kbit_upcast,
+                 "with --load-in-4bit, which non-quantized parameters become fp32: all (PEFT's "
+                 "prepare_model_for_kbit_training) | norms | none (keep --base-dtype)")
+      ->check(CLI::IsMember({"all", "norms", "none"}));
   // LoRA
   app.add_option("--lora-r", a.lora_r, "LoRA rank")->check(CLI::PositiveNumber);
   app.add_option("--lora-alpha", a.lora_alpha, "LoRA alpha (scaling = alpha / r)")->check(CLI::PositiveNumber);

@@ -6,11 +6,15 @@
 // Both runs go through build/bin/fsdp-finetune --preset (random weights of the layout, random
 // token sequences; no files), FSDP FULL_SHARD at --world ranks, one unit per decoder layer,
 // gradient checkpointing, LoRA r 8 on q/k/v/o/gate/up/down, paged_adamw_8bit:
-//   qlora      NF4 + double quantization base (bf16 compute), non-quantized parameters fp32
-//              (prepare_model_for_kbit_training)
-//   lora_bf16  the same base kept dense in bf16 (frozen), fp32 adapters
+//   qlora            NF4 + double quantization base (bf16 compute), non-quantized parameters
+//                    fp32 (prepare_model_for_kbit_training, --kbit-upcast all)
+//   qlora_bf16_rest  the same with --kbit-upcast none --base-dtype bfloat16: embeddings, norms
+//                    and head stay bf16
+//   lora_bf16        the same base kept dense in bf16 (frozen), fp32 adapters
 // Reported per run: it/s (first step excluded), peak tensor bytes and peak RSS per rank during
-// training and during setup; ratios qlora / lora_bf16; the stored bytes per quantized weight;
+// training and during setup, and the training peak by memory category (peak_breakdown_mb,
+// Note [Memory categories] in fsdp/memory.h); ratios qlora / lora_bf16 and qlora_bf16_rest /
+// lora_bf16; the stored bytes per quantized weight;
 // and the --dry-run plan of the recipe's 8B layout at --world ranks. The machine's load average
 // is recorded beside the numbers (ranks share the cores with whatever else runs).
 #include "bench.h"
@@ -99,6 +103,9 @@ int run_qlora(const std::vector<std::string>& args) {
     return a;
   };
   json qlora = finetune(o, "qlora", with({"--load-in-4bit", "--bnb-4bit-compute-dtype", "bfloat16"}));
+  json qlora_bf16 = finetune(o, "qlora_bf16_rest",
+                             with({"--load-in-4bit", "--bnb-4bit-compute-dtype", "bfloat16",
+                                   "--kbit-upcast", "none", "--base-dtype", "bfloat16"}));
   json lora = finetune(o, "lora_bf16", with({"--no-load-in-4bit", "--base-dtype", "bfloat16"}));
   json plan = finetune(o, "dry_run_llama3_8b",
                        {"--preset", "llama3-8b", "--devices", std::to_string(o.world), "--dry-run",
@@ -111,7 +118,8 @@ int run_qlora(const std::vector<std::string>& args) {
   json out = {{"bench", "qlora"}, {"preset", o.preset}, {"world", o.world}, {"steps", o.steps},
               {"seq", o.seq}, {"batch_per_rank", o.batch},
               {"load_avg_1m_before", load_before[0]}, {"load_avg_1m_after", load_after[0]},
-              {"qlora", qlora}, {"lora_bf16", lora}, {"dry_run_llama3_8b", plan}};
+              {"qlora", qlora}, {"qlora_bf16_rest", qlora_bf16}, {"lora_bf16", lora},
+              {"dry_run_llama3_8b", plan}};
   if (plan_small.contains("quantized_weights")) {
     out["bytes_per_quantized_weight"] =
         plan_small["quantized_bytes"].get<double>() / plan_small["quantized_weights"].get<double>();
@@ -121,6 +129,12 @@ int run_qlora(const std::vector<std::string>& args) {
     out["peak_alloc_ratio_qlora_over_lora_bf16"] = max_of(qlora["peak_alloc_mb"]) / max_of(lora["peak_alloc_mb"]);
     out["setup_peak_alloc_ratio_qlora_over_lora_bf16"] =
         max_of(qlora["setup_peak_alloc_mb"]) / max_of(lora["setup_peak_alloc_mb"]);
+  }
+  if (qlora_bf16.contains("it_per_s") && lora.contains("it_per_s")) {
+    out["it_per_s_ratio_qlora_bf16_rest_over_lora_bf16"] =
+        qlora_bf16["it_per_s"].get<double>() / lora["it_per_s"].get<double>();
+    out["peak_alloc_ratio_qlora_bf16_rest_over_lora_bf16"] =
+        max_of(qlora_bf16["peak_alloc_mb"]) / max_of(lora["peak_alloc_mb"]);
   }
   std::cout << out.dump(2) << std::endl;
   return 0;

@@ -151,6 +151,22 @@ def bnb_reference(a):
             out[name + ".deq_bf16"] = F.dequantize_4bit(q, st)
             _, single = F.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=False)
             out[name + ".absmax_single"] = single.absmax
+        elif key.startswith("u."):
+            # Widths that are not a multiple of the block (64): the generic (pure torch)
+            # dequantization, what bitsandbytes' quantizer's flat blocks mean, and the native
+            # CPU kernel F.dequantize_4bit runs for an even last dimension.
+            from bitsandbytes.backends.default.ops import _dequantize_4bit_compute
+            from bitsandbytes.backends.utils import _get_4bit_code
+            name = key[2:]
+            q, st = F.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=True)
+            absmax = F.dequantize_blockwise(st.absmax, st.state2) + st.offset
+            code = _get_4bit_code("nf4", q.device)
+            for dt, suffix in ((torch.float32, ""), (torch.bfloat16, "_bf16")):
+                out[name + ".generic" + suffix] = _dequantize_4bit_compute(
+                    q.reshape(-1), absmax, code, 64, tuple(w.shape), dt).reshape(-1)
+            st.dtype = torch.float32
+            out[name + ".cpu_kernel"] = F.dequantize_4bit(q, st).reshape(-1)
+            out[name + ".packed"] = q.reshape(-1)
         elif key.startswith("x8."):
             name = key[3:]
             q, st = F.quantize_blockwise(w, blocksize=256)

@@ -105,6 +105,19 @@ TEST(FinetuneCli, QLoraUnderFsdpSavesPeftCheckpoints) {
   auto losses = s["losses"].get<std::vector<double>>();
   ASSERT_EQ(losses.size(), 8u);
   EXPECT_LT(losses.back(), losses.front());
+  // The training peak split by memory category, per rank: the parts add up to the peak, and
+  // an FSDP QLoRA step's peak holds sharded parameters, quantized shards and gathered units.
+  ASSERT_EQ(s["peak_breakdown_mb"].size(), 2u);
+  for (int rank = 0; rank < 2; ++rank) {
+    SCOPED_TRACE(rank);
+    double total = 0;
+    for (auto& [name, mb] : s["peak_breakdown_mb"][rank].items()) total += mb.get<double>();
+    const double peak = s["peak_alloc_mb"][rank].get<double>();
+    EXPECT_NEAR(total, peak, 0.02 * peak) << s["peak_breakdown_mb"][rank].dump();
+    for (const char* part : {"parameters", "quantized", "gathered"}) {
+      EXPECT_GT(s["peak_breakdown_mb"][rank].value(part, 0.0), 0.0) << part;
+    }
+  }
   // --save-total-limit 1: only the newest step checkpoint stays; the final adapter too.
   EXPECT_FALSE(fs::exists(out_dir + "/checkpoint-4"));
   EXPECT_TRUE(fs::exists(out_dir + "/checkpoint-8/adapter_model.safetensors"));
@@ -150,6 +163,10 @@ TEST(FinetuneCli, BadFlagsAreOneLineErrors) {
                         "--optim", "sgd", "--data", "x"});
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.err.find("--optim"), std::string::npos) << r.err;
+  auto u = run_process({fsdp::testing::bin_path("fsdp-finetune"), "--preset", "llama-tiny",
+                        "--kbit-upcast", "half", "--data", "x"});
+  EXPECT_EQ(u.exit_code, 2);
+  EXPECT_NE(u.err.find("--kbit-upcast"), std::string::npos) << u.err;
   auto m = run_process({fsdp::testing::bin_path("fsdp-finetune"), "--data", "x"});
   EXPECT_EQ(m.exit_code, 2);
   EXPECT_NE(m.err.find("--model-dir"), std::string::npos) << m.err;

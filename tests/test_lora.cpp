@@ -12,9 +12,11 @@
 #include "hf_testing.h"
 
 #include <gtest/gtest.h>
+#include <torch/optim/adamw.h>
 #include <nlohmann/json.hpp>
 
 #include <filesystem>
+#include <iostream>
 
 namespace {
 
@@ -167,6 +169,76 @@ TEST(Lora, OnlyAdaptersGetGradientsThroughCheckpointedQuantizedLayers) {
     }
   }
   EXPECT_EQ(adapters, 2 * (7 * 2 + 1));
+}
+
+// HfLoadOptions::kbit_upcast: which non-quantized parameters prepare_for_kbit_training makes
+// fp32 (all: PEFT's behaviour; norms; none), on a bf16 base with NF4 layers and adapters; and a
+// short fine-tune's losses agree across the choices within bf16 rounding of the residual stream.
+TEST(Lora, KbitUpcastChoosesWhichParametersAreFp32) {
+  const fsdp::LlamaConfig c = fsdp::llama_preset("llama-tiny");
+  std::map<fsdp::KbitUpcast, std::vector<double>> losses;
+  std::map<fsdp::KbitUpcast, int64_t> dense_bytes;
+  for (fsdp::KbitUpcast upcast : {fsdp::KbitUpcast::kAll, fsdp::KbitUpcast::kNorms,
+                                  fsdp::KbitUpcast::kNone}) {
+    SCOPED_TRACE(fsdp::to_string(upcast));
+    torch::manual_seed(17);  // same base and adapter init for every choice
+    fsdp::HfLoadOptions o;
+    o.dtype = at::kBFloat16;
+    o.quantization = fsdp::QuantizationConfig{};  // nf4, bf16 compute
+    o.prepare_for_kbit_training = true;
+    o.kbit_upcast = upcast;
+    o.lora = lora_config();
+    auto model = fsdp::make_llama(c, o);
+    int64_t bytes = 0;
+    for (auto& p : model->named_parameters()) {
+      const std::string& k = p.key();
+      const at::ScalarType dt = p.value().scalar_type();
+      if (k.find(".lora_") != std::string::npos) {
+        EXPECT_EQ(dt, at::kFloat) << k;  // adapters: fp32 whatever the choice
+        EXPECT_TRUE(p.value().requires_grad()) << k;
+        continue;
+      }
+      EXPECT_FALSE(p.value().requires_grad()) << k;
+      if (dt == at::kByte) continue;  // NF4 storage
+      bytes += p.value().nbytes();
+      const bool norm = k.find("norm.weight") != std::string::npos;  // input_/post_attention_layernorm, model.norm
+      const bool fp32 = upcast == fsdp::KbitUpcast::kAll || (upcast == fsdp::KbitUpcast::kNorms && norm);
+      EXPECT_EQ(dt, fp32 ? at::kFloat : at::kBFloat16) << k;
+    }
+    dense_bytes[upcast] = bytes;
+    // A short fine-tune of the adapters.
+    std::vector<at::Tensor> trainable;
+    for (auto& [k, p] : fsdp::lora_parameters(*model)) trainable.push_back(p);
+    torch::optim::AdamW opt(trainable, torch::optim::AdamWOptions(1e-2));
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
+    const at::Tensor ids = at::randint(c.vocab_size, {2, 16}, gen);
+    for (int step = 0; step < 6; ++step) {
+      opt.zero_grad();
+      at::Tensor loss = fsdp::causal_lm_loss((*model)(ids), ids);
+      loss.backward();
+      opt.step();
+      losses[upcast].push_back(loss.item<double>());
+    }
+  }
+  // The non-quantized parameters.
+  EXPECT_EQ(dense_bytes[fsdp::KbitUpcast::kNone] * 2, dense_bytes[fsdp::KbitUpcast::kAll]);
+  EXPECT_GT(dense_bytes[fsdp::KbitUpcast::kNorms], dense_bytes[fsdp::KbitUpcast::kNone]);
+  EXPECT_LT(dense_bytes[fsdp::KbitUpcast::kNorms], dense_bytes[fsdp::KbitUpcast::kAll]);
+  const auto& all = losses[fsdp::KbitUpcast::kAll];
+  EXPECT_LT(all.back(), all.front());  // it trains
+  double largest = 0;
+  for (fsdp::KbitUpcast upcast : {fsdp::KbitUpcast::kNorms, fsdp::KbitUpcast::kNone}) {
+    for (size_t i = 0; i < all.size(); ++i) {
+      const double rel = std::abs(losses[upcast][i] - all[i]) / std::abs(all[i]);
+      largest = std::max(largest, rel);
+      EXPECT_LE(rel, 2e-3) << fsdp::to_string(upcast) << " step " << i << ": " << losses[upcast][i]
+                           << " vs " << all[i];
+    }
+  }
+  EXPECT_GT(largest, 0.0);  // bf16 embeddings/head really changed the computation
+  std::cout << "[kbit_upcast] largest relative loss difference to 'all': " << largest << "\n";
+  EXPECT_EQ(fsdp::parse_kbit_upcast("norms"), fsdp::KbitUpcast::kNorms);
+  EXPECT_THROW(fsdp::parse_kbit_upcast("half"), c10::Error);
 }
 
 TEST(Lora, TargetsMatchLikePeft) {

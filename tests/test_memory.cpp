@@ -63,6 +63,70 @@ TEST_F(Memory, PeakTracksTheHighWaterMark) {
   EXPECT_EQ(fsdp::memory_stats().peak_bytes, fsdp::memory_stats().current_bytes);
 }
 
+// Note [Memory categories]: allocations are charged to the thread's category, frees back to the
+// category of the allocation, and the peak's breakdown is the per-category bytes at the peak.
+TEST_F(Memory, CategoriesChargeAllocationsAndSplitThePeak) {
+  using fsdp::MemoryCategory;
+  auto sum = [](const std::array<int64_t, fsdp::kNumMemoryCategories>& v) {
+    int64_t total = 0;
+    for (int64_t x : v) total += x;
+    return total;
+  };
+  auto idx = [](MemoryCategory c) { return static_cast<size_t>(c); };
+  fsdp::reset_peak_memory_stats();
+  const auto base = fsdp::memory_stats();
+  EXPECT_EQ(sum(base.current_by_category), base.current_bytes);
+  EXPECT_EQ(fsdp::current_memory_category(), MemoryCategory::kOther);
+  at::Tensor a, b;
+  {
+    fsdp::MemoryCategoryGuard gathered(MemoryCategory::kGathered);
+    a = at::empty({1 << 20}, at::kByte);  // 1 MiB
+    {
+      fsdp::MemoryCategoryGuard optimizer(MemoryCategory::kOptimizer);
+      EXPECT_EQ(fsdp::current_memory_category(), MemoryCategory::kOptimizer);
+      b = at::empty({1 << 19}, at::kFloat);  // 2 MiB
+    }
+    EXPECT_EQ(fsdp::current_memory_category(), MemoryCategory::kGathered);  // restored
+  }
+  EXPECT_EQ(fsdp::current_memory_category(), MemoryCategory::kOther);
+  const auto s = fsdp::memory_stats();
+  EXPECT_EQ(s.current_by_category[idx(MemoryCategory::kGathered)] -
+                base.current_by_category[idx(MemoryCategory::kGathered)], 1 << 20);
+  EXPECT_EQ(s.current_by_category[idx(MemoryCategory::kOptimizer)] -
+                base.current_by_category[idx(MemoryCategory::kOptimizer)], 2 << 20);
+  EXPECT_EQ(sum(s.current_by_category), s.current_bytes);
+  // Freed under another category: charged back to the allocation's.
+  {
+    fsdp::MemoryCategoryGuard activations(MemoryCategory::kActivations);
+    b = at::Tensor();
+    at::Tensor c = at::empty({1 << 18}, at::kFloat);  // 1 MiB: below the peak
+    EXPECT_EQ(fsdp::memory_stats().current_by_category[idx(MemoryCategory::kActivations)] -
+                  base.current_by_category[idx(MemoryCategory::kActivations)], 1 << 20);
+  }
+  const auto t = fsdp::memory_stats();
+  EXPECT_EQ(t.current_by_category[idx(MemoryCategory::kOptimizer)],
+            base.current_by_category[idx(MemoryCategory::kOptimizer)]);
+  EXPECT_EQ(t.current_by_category[idx(MemoryCategory::kActivations)],
+            base.current_by_category[idx(MemoryCategory::kActivations)]);
+  EXPECT_EQ(sum(t.current_by_category), t.current_bytes);
+  // The peak (a and b alive) and its breakdown, unchanged by the later, smaller allocation.
+  EXPECT_EQ(t.peak_bytes - base.current_bytes, 3 << 20);
+  EXPECT_EQ(sum(t.peak_by_category), t.peak_bytes);
+  EXPECT_EQ(t.peak_by_category[idx(MemoryCategory::kOptimizer)] -
+                base.current_by_category[idx(MemoryCategory::kOptimizer)], 2 << 20);
+  EXPECT_EQ(t.peak_by_category[idx(MemoryCategory::kGathered)] -
+                base.current_by_category[idx(MemoryCategory::kGathered)], 1 << 20);
+  EXPECT_EQ(t.peak_by_category[idx(MemoryCategory::kActivations)],
+            base.current_by_category[idx(MemoryCategory::kActivations)]);
+  auto named = fsdp::by_category_map(t.peak_by_category);
+  EXPECT_GE(named.at("optimizer"), 2 << 20);
+  EXPECT_EQ(std::string(fsdp::to_string(MemoryCategory::kDequantized)), "dequantized");
+  a = at::Tensor();
+  fsdp::reset_peak_memory_stats();
+  const auto r = fsdp::memory_stats();
+  EXPECT_EQ(r.peak_by_category, r.current_by_category);
+}
+
 TEST_F(Memory, ResizeAndOpsAreCounted) {
   auto before = fsdp::memory_stats().current_bytes;
   at::Tensor a = at::ones({256}, at::kFloat);

@@ -14,6 +14,7 @@
 #include "fsdp/quantization.h"
 #include "fully_shard_common.h"
 #include "hf_testing.h"
+#include "shard/collectives.h"
 #include "shard/fsdp_param_group.h"
 #include "shard/fsdp_state.h"
 #include "shard/fsdp_strategy_impl.h"
@@ -26,12 +27,15 @@ namespace {
 using fsdp::testing::LoopConfig;
 
 // A tiny Llama written by save_llama (vocab 256 >= the test batches' 64 tokens).
-std::string model_dir() {
-  const std::string dir = fsdp::testing::hf_scratch("qlora_fsdp_model", /*keep=*/true);
+// tied: the head shares the embedding table (tie_word_embeddings).
+std::string model_dir(bool tied = false) {
+  const std::string dir =
+      fsdp::testing::hf_scratch(tied ? "qlora_fsdp_model_tied" : "qlora_fsdp_model", /*keep=*/true);
   if (!fsdp::testing::in_child_rank()) {
     torch::manual_seed(123);
     fsdp::LlamaConfig c = fsdp::llama_preset("llama-tiny");
     c.num_hidden_layers = 3;
+    c.tie_word_embeddings = tied;
     fsdp::LlamaForCausalLM m(c);
     fsdp::save_llama(m, dir, at::kBFloat16);  // bf16 on disk, as Llama checkpoints
   }
@@ -191,6 +195,112 @@ TEST(QLoraFsdp, MatchesSingleProcessWorld3) { parity(3, "gloo"); }
 TEST(QLoraFsdp, MatchesSingleProcessWorld2Mpi) { parity(2, "mpi"); }
 
 TEST(QLoraFsdp, MatchesSingleProcessWorld3Mpi) { parity(3, "mpi"); }
+
+// merge_lora(strategy, model) / unmerge_lora(strategy, model) on the FSDP-sharded QLoRA model
+// (NF4 base layers, the dense head with an adapter) give, gathered, exactly the parameters of
+// the single-process merge_lora / unmerge_lora; the single-process version refuses the sharded
+// model and names the FSDP one. See Note [Merging sharded adapters].
+// bf16_params: FSDP computes with bf16 unsharded parameters (MixedPrecisionPolicy), the shards
+// stay fp32; the merge works on the fp32 shards.
+void check_merge(const std::string& dir, const std::string& adapter, int world_expected,
+                 bool bf16_params = false) {
+  QLoraLM ref;
+  ref.dir = dir;
+  ref.adapter = adapter;
+  ref.configure_model();
+  auto snapshot = [](torch::nn::Module& m) {
+    std::map<std::string, at::Tensor> out;
+    for (auto& p : m.named_parameters()) out[p.key()] = p.value().detach().clone();
+    return out;
+  };
+  const auto ref_before = snapshot(ref);
+  fsdp::merge_lora(*ref.model);
+  const auto ref_merged = snapshot(ref);
+  fsdp::unmerge_lora(*ref.model);
+  const auto ref_unmerged = snapshot(ref);
+
+  auto world = fsdp::world_group();
+  ASSERT_EQ(world->size(), world_expected);
+  fsdp::FSDPOptions o;
+  o.auto_wrap_policy = fsdp::AutoWrapPolicy::of_types(fsdp::llama_layer_types());
+  if (bf16_params) {
+    fsdp::MixedPrecisionPolicy mp;
+    mp.param_dtype = at::kBFloat16;
+    o.mixed_precision = mp;
+  }
+  fsdp::FSDPStrategy strategy(o);
+  fsdp::LaunchInfo launch;
+  launch.rank = world->rank();
+  launch.world_size = launch.local_world_size = world->size();
+  strategy.connect(world, launch);
+  QLoraLM lm;
+  lm.dir = dir;
+  lm.adapter = adapter;
+  fsdp::configure_model_with(strategy, lm);
+  strategy.setup_module(lm);
+  try {
+    fsdp::merge_lora(*lm.model);
+    ADD_FAILURE() << "the single-process merge_lora accepted a sharded model";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("merge_lora(strategy, model)"), std::string::npos) << e.what();
+  }
+  auto& state = fsdp::detail::state_of(strategy);
+  // Every parameter, gathered from its shards, against the reference's.
+  auto expect_equal_to = [&](const std::map<std::string, at::Tensor>& want, const char* what) {
+    int compared = 0, quantized_changed = 0;
+    for (fsdp::detail::FsdpParam* p : state.all_params()) {
+      const at::Tensor full = fsdp::detail::gather_full(*p, *state.shard_group());
+      auto it = want.find(p->fqn());
+      if (it == want.end()) {
+        ADD_FAILURE() << what << ": no reference parameter '" << p->fqn() << "'";
+        continue;
+      }
+      if (full.sizes() != it->second.sizes()) {
+        ADD_FAILURE() << what << " " << p->fqn() << ": shape " << full.sizes() << " vs " << it->second.sizes();
+        continue;
+      }
+      EXPECT_TRUE(at::equal(full, it->second)) << what << " " << p->fqn() << " max diff "
+                                               << fsdp::testing::max_abs_diff(full.to(at::kFloat),
+                                                                              it->second.to(at::kFloat));
+      if (full.scalar_type() == at::kByte && !at::equal(full, ref_before.at(p->fqn()))) ++quantized_changed;
+      ++compared;
+    }
+    EXPECT_EQ(compared, static_cast<int>(want.size())) << what;
+    return quantized_changed;
+  };
+  fsdp::merge_lora(strategy, *lm.model);
+  EXPECT_GT(expect_equal_to(ref_merged, "merged"), 0);  // the merge re-quantized the 4-bit layers
+  fsdp::unmerge_lora(strategy, *lm.model);
+  expect_equal_to(ref_unmerged, "unmerged");
+  for (auto& m : lm.model->modules()) {
+    if (auto* l = dynamic_cast<fsdp::LoraLinear*>(m.get())) EXPECT_FALSE(l->merged());
+  }
+}
+
+void merge_parity(int world) {
+  const std::string dir = model_dir(), adapter = adapter_dir(dir);
+  fsdp::testing::run_ranks(world, "gloo", [&](fsdp::ProcessGroup&) { check_merge(dir, adapter, world); });
+}
+
+TEST(QLoraFsdp, MergeShardedEqualsSingleProcessWorld2) { merge_parity(2); }
+
+TEST(QLoraFsdp, MergeShardedEqualsSingleProcessWorld3) { merge_parity(3); }
+
+// The head tied to the embeddings and a LoRA target: the merge goes into the shared table (held
+// by the root unit), under bf16 mixed precision.
+TEST(QLoraFsdp, MergeShardedTiedHeadBf16ParamsWorld2) {
+  const std::string dir = model_dir(/*tied=*/true), adapter = adapter_dir(dir);
+  fsdp::testing::run_ranks(2, "gloo", [&](fsdp::ProcessGroup&) {
+    QLoraLM probe;
+    probe.dir = dir;
+    probe.adapter = adapter;
+    probe.configure_model();
+    auto head = std::dynamic_pointer_cast<fsdp::LoraLinear>(probe.model->lm_head);
+    ASSERT_TRUE(head);
+    ASSERT_TRUE(std::dynamic_pointer_cast<fsdp::TiedLinear>(head->base_layer));
+    check_merge(dir, adapter, 2, /*bf16_params=*/true);
+  });
+}
 
 TEST(QLoraFsdp, EightBitAdamWBf16ComputeWorld2) {
   const std::string dir = model_dir(), adapter = adapter_dir(dir);

@@ -38,6 +38,7 @@
 namespace fsdp {
 
 class LlamaForCausalLM;
+class FSDPStrategy;
 
 struct LoraConfig {
   int64_t r = 8;
@@ -80,6 +81,9 @@ class LoraLinear : public LinearLayer, public LinearOwner {
   void merge();
   void unmerge();
   bool merged() const { return merged_; }
+  // Only sets the flag: for merge_lora(FSDPStrategy&, ...), which writes the merged weights into
+  // the shards itself.
+  void mark_merged(bool merged) { merged_ = merged; }
   double scaling() const { return scaling_; }
 
   LinearPtr base_layer;
@@ -105,19 +109,44 @@ int apply_lora(torch::nn::Module& root, const LoraConfig& config, const std::str
 // The adapter parameters by FQN (lora_A / lora_B weights), in model order.
 std::vector<std::pair<std::string, at::Tensor>> lora_parameters(torch::nn::Module& root);
 
-// PEFT merge_and_unload / unmerge for every LoraLinear under root.
+// PEFT merge_and_unload / unmerge for every LoraLinear under root, in one process. A model
+// whose parameters FSDP has sharded is an error naming merge_lora(FSDPStrategy&, root).
 void merge_lora(torch::nn::Module& root);
 void unmerge_lora(torch::nn::Module& root);
 
+// The same on a model sharded by `strategy` (after setup_module; collective: every rank of the
+// strategy calls it). Layer by layer: each adapted layer's lora_A, lora_B and base tensors are
+// gathered from their shards, merged as the single-process merge does (dense: added; tied
+// head: into the shared table; 4-bit: dequantized, added, quantized again), and each rank
+// writes its own rows of the result back into its shards, so a rank holds at most one layer's
+// full tensors beside its shards. Results equal the single-process merge_lora bit for bit
+// (tested with FULL_SHARD at worlds 2 and 3, also under bf16 mixed precision). See Note
+// [Merging sharded adapters] in src/shard/lora_merge.cpp.
+void merge_lora(FSDPStrategy& strategy, torch::nn::Module& root);
+void unmerge_lora(FSDPStrategy& strategy, torch::nn::Module& root);
+
+// Which non-quantized base parameters prepare_model_for_kbit_training casts to fp32.
+//   kAll    every floating bf16/fp16 parameter: embeddings, norms, the head (PEFT's behaviour,
+//           the default)
+//   kNorms  only the norms' weights (RMSNorm); embeddings and head keep their dtype
+//   kNone   nothing: every parameter keeps the dtype it was loaded in (HfLoadOptions::dtype)
+// Adapters are created afterwards in LoraConfig::dtype (fp32) whatever the choice.
+enum class KbitUpcast { kAll, kNorms, kNone };
+// "all" | "norms" | "none"; anything else is an error listing them (`what` names the source).
+KbitUpcast parse_kbit_upcast(const std::string& text, const std::string& what = "kbit_upcast");
+const char* to_string(KbitUpcast upcast);
+
 // prepare_model_for_kbit_training, for one subtree (the HF loader calls it per layer, before
-// FSDP shards the layer): every parameter frozen, floating bf16/fp16 parameters cast to fp32
-// (quantized uint8 storage untouched).
-void freeze_and_upcast(torch::nn::Module& module);
+// FSDP shards the layer): every parameter frozen, floating bf16/fp16 parameters cast to fp32 as
+// `upcast` says (quantized uint8 storage untouched). A parameter is a norm's when its module is
+// an RMSNorm (its FQN's last module name ends in "norm" or "layernorm").
+void freeze_and_upcast(torch::nn::Module& module, KbitUpcast upcast = KbitUpcast::kAll);
 
 // The whole of prepare_model_for_kbit_training on a Llama: freeze_and_upcast, and with
 // use_gradient_checkpointing: activation checkpointing on every decoder layer plus
 // enable_input_require_grads (the embeddings' output requires grad, so checkpointed layers
 // back-propagate into the adapters inside them).
-void prepare_for_kbit_training(LlamaForCausalLM& model, bool use_gradient_checkpointing = true);
+void prepare_for_kbit_training(LlamaForCausalLM& model, bool use_gradient_checkpointing = true,
+                               KbitUpcast upcast = KbitUpcast::kAll);
 
 }  // namespace fsdp

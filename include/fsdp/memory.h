@@ -4,7 +4,9 @@
 
 #include <c10/util/Exception.h>
 
+#include <array>
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -12,13 +14,74 @@ namespace fsdp {
 
 class ProcessGroup;
 
+// Note [Memory categories]
+// ------------------------
+// Where do the peak's bytes go? Every allocation through the tracking allocator is charged to
+// the calling thread's current category (a thread-local, set by MemoryCategoryGuard around the
+// code that allocates), recorded in the block's header so that its free is charged back to the
+// same category. Per-category current bytes are kept beside the total, and each time the total
+// reaches a new peak the per-category bytes are copied: memory_stats().peak_by_category is the
+// breakdown of the peak at the moment it happened (the copy is skipped when another thread is
+// copying at that instant, so under concurrent allocation it may describe a moment a few
+// allocations away from the exact peak). The categories say who allocated, not what a tensor
+// is: a category is set by
+//   kParameters   the Trainer around setup (configure_model, sharding, optimizer creation):
+//                 model parameters and their FSDP shards (trainable and frozen, fp or not)
+//   kQuantized    NF4 packed weights and quantization state (Linear4bit, FSDP shards of uint8
+//                 parameters)
+//   kGathered     FSDP all-gather buffers and unsharded parameters (unshard, copy-out)
+//   kActivations  the Trainer around training_step (forward: activations, logits, loss)
+//   kDequantized  Linear4bit's dequantized weights (forward, recomputation and backward)
+//   kBackward     the Trainer around backward: activation gradients, recomputed activations
+//                 (activation checkpointing), parameter gradients before reduction
+//   kGradients    FSDP reduce-scatter buffers and sharded gradients
+//   kOptimizer    the Trainer around the optimizer step (state, temporaries)
+//   kOther        anything else (data loading, reporting, allocations outside these scopes)
+// Threads that never set a category (intra-op pool, communication threads) charge kOther;
+// their allocations are few and short-lived on this CPU path.
+enum class MemoryCategory : uint8_t {
+  kOther = 0,
+  kParameters,
+  kQuantized,
+  kGathered,
+  kActivations,
+  kDequantized,
+  kBackward,
+  kGradients,
+  kOptimizer,
+};
+constexpr int kNumMemoryCategories = 9;
+// "other", "parameters", "quantized", "gathered", "activations", "dequantized", "backward",
+// "gradients", "optimizer".
+const char* to_string(MemoryCategory category);
+
+MemoryCategory current_memory_category();  // this thread's
+
+// Charges this thread's allocations to `category` while it lives (nests: restores the previous
+// category on destruction).
+class MemoryCategoryGuard {
+ public:
+  explicit MemoryCategoryGuard(MemoryCategory category);
+  ~MemoryCategoryGuard();
+  MemoryCategoryGuard(const MemoryCategoryGuard&) = delete;
+  MemoryCategoryGuard& operator=(const MemoryCategoryGuard&) = delete;
+
+ private:
+  MemoryCategory previous_;
+};
+
 struct MemoryStats {
   int64_t current_bytes = 0;   // tensor bytes alive now (through the CPU allocator)
   int64_t peak_bytes = 0;      // max of current_bytes since start / last reset
   int64_t num_allocs = 0;      // allocations since start / last reset
   int64_t num_frees = 0;
   int64_t budget_bytes = 0;    // 0 = no budget
+  // Index = MemoryCategory. See Note [Memory categories].
+  std::array<int64_t, kNumMemoryCategories> current_by_category{};
+  std::array<int64_t, kNumMemoryCategories> peak_by_category{};  // at the moment of the peak
 };
+// {category name: bytes} of a by-category array (categories with 0 bytes left out).
+std::map<std::string, int64_t> by_category_map(const std::array<int64_t, kNumMemoryCategories>& bytes);
 
 // Installs the tracking allocator with c10::SetCPUAllocator (idempotent). Called by
 // init_process_group and the Trainer; call it yourself before allocating if you use neither.

@@ -84,8 +84,13 @@ struct Nf4Tensor {
 Nf4Tensor quantize_nf4(const at::Tensor& w, int64_t blocksize = 64, bool double_quant = true);
 // The per-block fp32 absmaxes (dequantized when nested, plus the offset).
 at::Tensor nf4_absmax(const Nf4Tensor& t);
-// W in `dtype` (computed in fp32, then rounded), shape t.shape.
+// W in `dtype` (computed in fp32, then rounded), shape t.shape. See Note [NF4 dequantization
+// kernel] in src/quant/nf4.cpp.
 at::Tensor dequantize_nf4(const Nf4Tensor& t, at::ScalarType dtype);
+// The same values from the straightforward kernel (one element at a time: a nibble, a code
+// book lookup, a multiply): the reference dequantize_nf4 is tested against and the "old"
+// column of fsdp-bench nf4.
+at::Tensor dequantize_nf4_elementwise(const Nf4Tensor& t, at::ScalarType dtype);
 
 }  // namespace quant
 
@@ -128,6 +133,15 @@ class Linear4bit : public LinearLayer {
   at::ScalarType compute_dtype() const { return compute_dtype_; }
   // The stored tensor as a quant::Nf4Tensor (views of the parameters).
   quant::Nf4Tensor nf4() const;
+  int64_t blocksize() const { return blocksize_; }
+  bool double_quant() const { return nested_; }
+  // The same from full packed / quant_state tensors held elsewhere (e.g. gathered from FSDP
+  // shards): views of them, this layer's shape and settings.
+  quant::Nf4Tensor nf4_of(const at::Tensor& packed, const at::Tensor& quant_state) const;
+  // `w` (out, in) quantized into this layer's format: {packed weight, quant_state} tensors of
+  // the parameters' sizes (what Linear4bit(w, ...) would store). See Note [Linear4bit
+  // quant_state layout] in src/quant/linear4bit.cpp.
+  std::pair<at::Tensor, at::Tensor> quantize_like(const at::Tensor& w) const;
 
   at::Tensor weight;       // uint8 packed
   at::Tensor quant_state;  // uint8

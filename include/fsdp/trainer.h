@@ -163,6 +163,10 @@ struct FitResults {
   std::vector<int64_t> peak_rss_bytes;    // per rank: peak resident set size
   std::vector<int64_t> setup_peak_alloc_bytes;  // per rank: peak tensor bytes during setup
   std::vector<int64_t> setup_peak_rss_bytes;    // per rank: peak RSS at the end of setup
+  // Per rank: the training peak (peak_alloc_bytes) split by who allocated the bytes alive at
+  // that moment, {category: bytes} (see Note [Memory categories] in fsdp/memory.h; categories
+  // with no bytes left out). The parts sum to the peak.
+  std::vector<std::map<std::string, int64_t>> peak_breakdown_bytes;
   std::map<std::string, double> metrics;  // last value of every logged metric (rank 0 view)
   std::string log_dir;             // the CSV logger's version_N directory ("" without)
 };

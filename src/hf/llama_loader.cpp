@@ -69,7 +69,7 @@ std::shared_ptr<LlamaForCausalLM> build(const LlamaConfig& config, const HfLoadO
   // Quantize, freeze/upcast and add adapters to one part of the model (see HfLoadOptions).
   auto finish = [&](torch::nn::Module& part, const std::string& prefix) {
     if (options.quantization) quantize_linears(part, *options.quantization, prefix);
-    if (options.prepare_for_kbit_training) freeze_and_upcast(part);
+    if (options.prepare_for_kbit_training) freeze_and_upcast(part, options.kbit_upcast);
     if (options.lora) {
       lora_layers += apply_lora(part, *options.lora, prefix, /*require_match=*/false, &lora_matched);
     }
@@ -95,8 +95,8 @@ std::shared_ptr<LlamaForCausalLM> build(const LlamaConfig& config, const HfLoadO
   fill(*model->model->norm, "model.norm.");
   fill(*model->lm_head, "lm_head.");
   if (options.prepare_for_kbit_training) {
-    freeze_and_upcast(*model->model->embed_tokens);
-    freeze_and_upcast(*model->model->norm);
+    freeze_and_upcast(*model->model->embed_tokens, options.kbit_upcast);
+    freeze_and_upcast(*model->model->norm, options.kbit_upcast);
     model->model->input_require_grads = true;
   }
   if (options.lora) {  // get_peft_model freezes everything but the adapters

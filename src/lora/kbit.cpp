@@ -5,8 +5,9 @@
 
 namespace fsdp {
 
-void prepare_for_kbit_training(LlamaForCausalLM& model, bool use_gradient_checkpointing) {
-  freeze_and_upcast(model);
+void prepare_for_kbit_training(LlamaForCausalLM& model, bool use_gradient_checkpointing,
+                               KbitUpcast upcast) {
+  freeze_and_upcast(model, upcast);
   if (!use_gradient_checkpointing) return;
   // PEFT (use_reentrant=True): enable_input_require_grads, then gradient_checkpointing_enable.
   model.model->input_require_grads = true;

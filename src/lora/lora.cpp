@@ -296,24 +296,70 @@ void for_each_lora(torch::nn::Module& root, const std::function<void(LoraLinear&
   }
 }
 
+// FSDP replaces a sharded parameter in its module's registered parameters by this rank's shard
+// while the layer's member keeps the full-shape tensor (whose storage is freed at rest): a
+// single-process merge would read freed or partial weights.
+void check_not_sharded(LoraLinear& l, const char* what) {
+  const at::Tensor* registered = l.lora_A->named_parameters(/*recurse=*/false).find("weight");
+  const at::Tensor& member = l.lora_A->weight;
+  const bool sharded = registered == nullptr ||
+                       registered->unsafeGetTensorImpl() != member.unsafeGetTensorImpl() ||
+                       static_cast<int64_t>(member.storage().nbytes()) < member.nbytes();
+  TORCH_CHECK(!sharded, "[", what, "] the model's parameters are sharded by FSDP (the adapter's "
+              "registered lora_A weight is this rank's shard); this single-process version would "
+              "read partial weights. HINT: call fsdp::", what, "(strategy, model), the FSDP version "
+              "in fsdp/lora.h, on every rank: it merges unit by unit into the shards");
+}
+
 }  // namespace
 
 void merge_lora(torch::nn::Module& root) {
+  for_each_lora(root, [](LoraLinear& l) { check_not_sharded(l, "merge_lora"); });
   for_each_lora(root, [](LoraLinear& l) { l.merge(); });
 }
 
 void unmerge_lora(torch::nn::Module& root) {
+  for_each_lora(root, [](LoraLinear& l) { check_not_sharded(l, "unmerge_lora"); });
   for_each_lora(root, [](LoraLinear& l) { l.unmerge(); });
 }
 
-void freeze_and_upcast(torch::nn::Module& module) {
-  at::NoGradGuard no_grad;
-  for (auto& p : module.parameters()) {
-    p.set_requires_grad(false);
-    if (p.scalar_type() == at::kBFloat16 || p.scalar_type() == at::kHalf) {
-      p.set_data(p.to(at::kFloat));
-    }
+KbitUpcast parse_kbit_upcast(const std::string& text, const std::string& what) {
+  if (text == "all") return KbitUpcast::kAll;
+  if (text == "norms") return KbitUpcast::kNorms;
+  if (text == "none") return KbitUpcast::kNone;
+  TORCH_CHECK(false, "[", what, "] '", text, "' is not a choice; use all (PEFT's "
+              "prepare_model_for_kbit_training: every non-quantized parameter in fp32), norms "
+              "(only the norms) or none (keep the loaded dtype)");
+}
+
+const char* to_string(KbitUpcast upcast) {
+  switch (upcast) {
+    case KbitUpcast::kAll: return "all";
+    case KbitUpcast::kNorms: return "norms";
+    case KbitUpcast::kNone: return "none";
   }
+  return "?";
+}
+
+void freeze_and_upcast(torch::nn::Module& module, KbitUpcast upcast) {
+  at::NoGradGuard no_grad;
+  for (auto& p : module.parameters()) p.set_requires_grad(false);
+  if (upcast == KbitUpcast::kNone) return;
+  auto cast = [](at::Tensor& p) {
+    if (p.scalar_type() == at::kBFloat16 || p.scalar_type() == at::kHalf) p.set_data(p.to(at::kFloat));
+  };
+  if (upcast == KbitUpcast::kAll) {
+    for (auto& p : module.parameters()) cast(p);
+    return;
+  }
+  // kNorms: the parameters of RMSNorm modules, the root included (modules() with include_self
+  // needs the root in a shared_ptr).
+  auto cast_module = [&](torch::nn::Module& m) {
+    if (dynamic_cast<RMSNorm*>(&m) == nullptr) return;
+    for (auto& p : m.parameters(/*recurse=*/false)) cast(p);
+  };
+  cast_module(module);
+  for (auto& m : module.modules(/*include_self=*/false)) cast_module(*m);
 }
 
 }  // namespace fsdp

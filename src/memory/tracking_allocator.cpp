@@ -11,7 +11,9 @@
 // checked by reserving first (fetch_add) and undoing on refusal, so concurrent allocations
 // cannot overshoot it together. Storages allocated before installation keep the default
 // allocator's deleter and are not counted (neither their allocation nor their free). Large
-// blocks come from and go back to a cache of freed blocks (Note [Block cache]).
+// blocks come from and go back to a cache of freed blocks (Note [Block cache]). The header also
+// holds the block's memory category (byte 8), so its free is charged back to the category its
+// allocation was charged to (Note [Memory categories] in fsdp/memory.h).
 #include <ATen/ATen.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>
@@ -39,9 +41,31 @@ std::atomic<int64_t> g_frees{0};
 std::atomic<int64_t> g_budget{0};
 std::atomic<bool> g_installed{false};
 
+// See Note [Memory categories].
+thread_local MemoryCategory t_category = MemoryCategory::kOther;
+std::array<std::atomic<int64_t>, kNumMemoryCategories> g_current_by{};
+std::array<std::atomic<int64_t>, kNumMemoryCategories> g_peak_by{};
+std::atomic_flag g_snapshot_busy = ATOMIC_FLAG_INIT;
+
+// Copies the per-category current bytes as the breakdown of the peak (skipped when another
+// thread is copying right now: the next new peak copies again).
+void snapshot_peak_breakdown(bool wait = false) {
+  while (g_snapshot_busy.test_and_set(std::memory_order_acquire)) {
+    if (!wait) return;
+  }
+  for (int c = 0; c < kNumMemoryCategories; ++c) {
+    g_peak_by[c].store(g_current_by[c].load(std::memory_order_relaxed), std::memory_order_relaxed);
+  }
+  g_snapshot_busy.clear(std::memory_order_release);
+}
+
 void update_peak(int64_t now) {
   int64_t peak = g_peak.load(std::memory_order_relaxed);
-  while (now > peak && !g_peak.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
+  while (now > peak) {
+    if (g_peak.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
+      snapshot_peak_breakdown();
+      return;
+    }
   }
 }
 
@@ -49,6 +73,8 @@ void tracking_delete(void* data) {
   if (data == nullptr) return;
   char* base = static_cast<char*>(data) - kHeader;
   int64_t size = *reinterpret_cast<int64_t*>(base);
+  const uint8_t category = *reinterpret_cast<uint8_t*>(base + 8);
+  g_current_by[category].fetch_sub(size, std::memory_order_relaxed);
   g_current.fetch_sub(size, std::memory_order_relaxed);
   g_frees.fetch_add(1, std::memory_order_relaxed);
   detail::block_free(base, static_cast<size_t>(size) + kHeader);
@@ -84,6 +110,9 @@ class TrackingAllocator final : public at::Allocator {
       throw;
     }
     *static_cast<int64_t*>(base) = n;
+    const auto category = static_cast<uint8_t>(t_category);
+    *(static_cast<uint8_t*>(base) + 8) = category;
+    g_current_by[category].fetch_add(n, std::memory_order_relaxed);
     update_peak(now);
     g_allocs.fetch_add(1, std::memory_order_relaxed);
     void* data = static_cast<char*>(base) + kHeader;
@@ -125,18 +154,59 @@ bool tracking_allocator_installed() {
   return g_installed.load();
 }
 
+const char* to_string(MemoryCategory category) {
+  switch (category) {
+    case MemoryCategory::kOther: return "other";
+    case MemoryCategory::kParameters: return "parameters";
+    case MemoryCategory::kQuantized: return "quantized";
+    case MemoryCategory::kGathered: return "gathered";
+    case MemoryCategory::kActivations: return "activations";
+    case MemoryCategory::kDequantized: return "dequantized";
+    case MemoryCategory::kBackward: return "backward";
+    case MemoryCategory::kGradients: return "gradients";
+    case MemoryCategory::kOptimizer: return "optimizer";
+  }
+  return "?";
+}
+
+MemoryCategory current_memory_category() {
+  return t_category;
+}
+
+MemoryCategoryGuard::MemoryCategoryGuard(MemoryCategory category) : previous_(t_category) {
+  t_category = category;
+}
+
+MemoryCategoryGuard::~MemoryCategoryGuard() {
+  t_category = previous_;
+}
+
+std::map<std::string, int64_t> by_category_map(const std::array<int64_t, kNumMemoryCategories>& bytes) {
+  std::map<std::string, int64_t> out;
+  for (int c = 0; c < kNumMemoryCategories; ++c) {
+    if (bytes[c] != 0) out[to_string(static_cast<MemoryCategory>(c))] = bytes[c];
+  }
+  return out;
+}
+
 MemoryStats memory_stats() {
   MemoryStats s;
   s.current_bytes = g_current.load();
-  s.peak_bytes = std::max(g_peak.load(), s.current_bytes);
+  const int64_t peak = g_peak.load();
+  s.peak_bytes = std::max(peak, s.current_bytes);
   s.num_allocs = g_allocs.load();
   s.num_frees = g_frees.load();
   s.budget_bytes = g_budget.load();
+  for (int c = 0; c < kNumMemoryCategories; ++c) {
+    s.current_by_category[c] = g_current_by[c].load();
+    s.peak_by_category[c] = peak >= s.current_bytes ? g_peak_by[c].load() : s.current_by_category[c];
+  }
   return s;
 }
 
 void reset_peak_memory_stats() {
   g_peak.store(g_current.load());
+  snapshot_peak_breakdown(/*wait=*/true);
   g_allocs.store(0);
   g_frees.store(0);
 }

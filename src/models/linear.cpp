@@ -38,6 +38,11 @@ at::Tensor Linear::forward(const fsdp::nn::Inputs& inputs) {
   const at::Tensor x = demos::detail::arg(inputs, 0);  // (..., in)
   TORCH_CHECK(x.defined() && x.size(-1) == weight.size(1), "[Linear] input must end in ",
               weight.size(1), " features, got ", x.defined() ? x.sizes() : at::IntArrayRef{});
+  // An input of another floating dtype is cast to the weight's (at::linear would refuse it): a
+  // bf16 head after fp32 norms (KbitUpcast::kNorms in fsdp/lora.h). Autocast casts both first.
+  if (x.is_floating_point() && weight.is_floating_point() && x.scalar_type() != weight.scalar_type()) {
+    return at::linear(x.to(weight.scalar_type()), weight, bias);
+  }
   return at::linear(x, weight, bias);
 }
 

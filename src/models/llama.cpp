@@ -226,7 +226,14 @@ at::Tensor LlamaForCausalLM::forward(const fsdp::nn::Inputs& inputs) {
 }
 
 at::Tensor TiedLinear::forward(const fsdp::nn::Inputs& inputs) {
-  return at::linear(demos::detail::arg(inputs, 0), embedding_->weight);
+  const at::Tensor& x = demos::detail::arg(inputs, 0);
+  const at::Tensor& table = embedding_->weight;
+  // As Linear: an input of another floating dtype (fp32 after fp32 norms, a bf16 table under
+  // KbitUpcast::kNorms) is cast to the table's.
+  if (x.is_floating_point() && x.scalar_type() != table.scalar_type()) {
+    return at::linear(x.to(table.scalar_type()), table);
+  }
+  return at::linear(x, table);
 }
 
 at::Tensor TiedLinear::dense_weight(at::ScalarType dtype) const {

@@ -1,6 +1,7 @@
 // Linear4bit and quantize_linears. See include/fsdp/quantization.h.
 #include "fsdp/quantization.h"
 
+#include "fsdp/memory.h"
 #include "models/detail.h"
 
 #include <c10/util/Exception.h>
@@ -87,8 +88,11 @@ int64_t linear4bit_nbytes(int64_t out_features, int64_t in_features, const Quant
 
 void Linear4bit::register_storage(int64_t n, bool with_bias, at::ScalarType bias_dtype) {
   StateLayout layout(n, blocksize_, nested_);
+  std::optional<MemoryCategoryGuard> category;  // Note [Memory categories]; not the bias
+  category.emplace(MemoryCategory::kQuantized);
   weight = register_parameter("weight", at::empty({(n + 1) / 2}, at::kByte), false);
   quant_state = register_parameter("quant_state", at::empty({layout.nbytes}, at::kByte), false);
+  category.reset();
   if (with_bias) bias = register_parameter("bias", at::empty({out_}, bias_dtype), false);
 }
 
@@ -113,31 +117,47 @@ Linear4bit::Linear4bit(const at::Tensor& w, const at::Tensor& b, const Quantizat
   TORCH_CHECK(w.dim() == 2, "[Linear4bit] weight must be (out, in), got ", w.sizes());
   register_storage(w.numel(), b.defined(), b.defined() ? b.scalar_type() : at::kFloat);
   at::NoGradGuard no_grad;
-  quant::Nf4Tensor q = quant::quantize_nf4(w, blocksize_, nested_);
-  weight.copy_(q.packed);
-  StateLayout layout(w.numel(), blocksize_, nested_);
-  if (nested_) {
-    quant_state.zero_();
-    quant_state.narrow(0, 0, layout.blocks).copy_(q.absmax);
-    quant_state.narrow(0, layout.nested_at, layout.nested_blocks * 4).view(at::kFloat).copy_(q.nested_absmax);
-    std::memcpy(quant_state.data_ptr<uint8_t>() + layout.offset_at, &q.offset, 4);
-  } else {
-    quant_state.view(at::kFloat).copy_(q.absmax);
-  }
+  auto [packed, state] = quantize_like(w);
+  weight.copy_(packed);
+  quant_state.copy_(state);
   if (b.defined()) {
     bias.copy_(b.detach());
     bias.set_requires_grad(b.requires_grad());
   }
 }
 
+std::pair<at::Tensor, at::Tensor> Linear4bit::quantize_like(const at::Tensor& w) const {
+  TORCH_CHECK(w.dim() == 2 && w.size(0) == out_ && w.size(1) == in_, "[Linear4bit] weight must be (",
+              out_, ", ", in_, "), got ", w.sizes());
+  at::NoGradGuard no_grad;
+  quant::Nf4Tensor q = quant::quantize_nf4(w, blocksize_, nested_);
+  StateLayout layout(w.numel(), blocksize_, nested_);
+  at::Tensor state = at::zeros({layout.nbytes}, at::kByte);
+  if (nested_) {
+    state.narrow(0, 0, layout.blocks).copy_(q.absmax);
+    state.narrow(0, layout.nested_at, layout.nested_blocks * 4).view(at::kFloat).copy_(q.nested_absmax);
+    std::memcpy(state.data_ptr<uint8_t>() + layout.offset_at, &q.offset, 4);
+  } else {
+    state.view(at::kFloat).copy_(q.absmax);
+  }
+  return {q.packed, state};
+}
+
 quant::Nf4Tensor Linear4bit::nf4() const {
+  return nf4_of(weight, quant_state);
+}
+
+quant::Nf4Tensor Linear4bit::nf4_of(const at::Tensor& packed, const at::Tensor& quant_state_in) const {
   quant::Nf4Tensor t;
   t.shape = {out_, in_};
   t.blocksize = blocksize_;
   t.nested = nested_;
-  t.packed = weight.detach();
+  t.packed = packed.detach();
   StateLayout layout(in_ * out_, blocksize_, nested_);
-  const at::Tensor state = quant_state.detach();
+  TORCH_CHECK(packed.numel() == (in_ * out_ + 1) / 2 && quant_state_in.numel() == layout.nbytes,
+              "[Linear4bit] packed weight / quant_state of ", packed.numel(), " / ",
+              quant_state_in.numel(), " bytes do not fit a (", out_, ", ", in_, ") weight");
+  const at::Tensor state = quant_state_in.detach();
   if (nested_) {
     t.absmax = state.narrow(0, 0, layout.blocks);
     t.nested_absmax = state.narrow(0, layout.nested_at, layout.nested_blocks * 4).view(at::kFloat);
@@ -149,6 +169,7 @@ quant::Nf4Tensor Linear4bit::nf4() const {
 }
 
 at::Tensor Linear4bit::dense_weight(at::ScalarType dtype) const {
+  MemoryCategoryGuard category(MemoryCategory::kDequantized);  // Note [Memory categories]
   return quant::dequantize_nf4(nf4(), dtype);
 }
 

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "comm/local_groups.h"
+#include "fsdp/memory.h"
 
 namespace fsdp::detail {
 
@@ -101,6 +102,7 @@ at::Tensor all_gather_slice(const at::Tensor& buffer, const FlatLayout& layout,
 AllGather all_gather(const FsdpParams& params, const FlatLayout& layout, ProcessGroup& group,
                      at::ScalarType dtype) {
   RECORD_FUNCTION("FSDP::all_gather", c10::ArrayRef<const c10::IValue>{});
+  MemoryCategoryGuard category(MemoryCategory::kGathered);  // Note [Memory categories]
   const auto options = params.front()->sharded().options()
                            .dtype(layout.bytes ? at::kByte : dtype)
                            .requires_grad(false);
@@ -133,6 +135,7 @@ AllGather all_gather(const FsdpParams& params, const FlatLayout& layout, Process
 
 void all_gather_copy_out(AllGather& ag, const FsdpParams& params, const FlatLayout& layout) {
   RECORD_FUNCTION("FSDP::all_gather_copy_out", c10::ArrayRef<const c10::IValue>{});
+  MemoryCategoryGuard category(MemoryCategory::kGathered);  // the unsharded parameters
   at::NoGradGuard no_grad;
   ag.work->wait();
   ag.input = at::Tensor();
@@ -165,6 +168,7 @@ std::optional<ReduceScatter> reduce_scatter(const FsdpParams& params, const Flat
   for (const auto& p : params) any_grad |= p->requires_grad() && p->unsharded().grad().defined();
   if (!any_grad) return std::nullopt;
   RECORD_FUNCTION("FSDP::reduce_scatter", c10::ArrayRef<const c10::IValue>{});
+  MemoryCategoryGuard category(MemoryCategory::kGradients);  // Note [Memory categories]
   at::NoGradGuard no_grad;
   const auto options = params.front()->sharded().options().dtype(dtype).requires_grad(false);
   const int64_t total = layout.reduce_scatter_numel;
@@ -230,6 +234,7 @@ std::optional<ReduceScatter> reduce_scatter(const FsdpParams& params, const Flat
 void reduce_scatter_copy_out(ReduceScatter& rs, const FsdpParams& params,
                              const FlatLayout& layout, const ProcessGroupPtr& replicate_group) {
   RECORD_FUNCTION("FSDP::reduce_scatter_copy_out", c10::ArrayRef<const c10::IValue>{});
+  MemoryCategoryGuard category(MemoryCategory::kGradients);
   at::NoGradGuard no_grad;
   if (rs.work) rs.work->wait();
   rs.input = at::Tensor();

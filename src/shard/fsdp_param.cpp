@@ -6,6 +6,8 @@
 
 #include <algorithm>
 
+#include "fsdp/memory.h"
+
 namespace fsdp::detail {
 namespace {
 
@@ -70,6 +72,9 @@ void FsdpParam::shard() {
     shape = unsharded_.sizes().vec();
     shape[0] = shard_rows_;
   }
+  // Quantized storage (uint8: NF4 packed weights and their state) is its own memory category.
+  std::optional<MemoryCategoryGuard> category;
+  if (unsharded_.scalar_type() == at::kByte) category.emplace(MemoryCategory::kQuantized);
   at::Tensor s = at::zeros(shape, unsharded_.options().requires_grad(false));
   if (mine.size() > 0) {
     s.view({shard_rows_, row_numel_})

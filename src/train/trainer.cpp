@@ -364,6 +364,8 @@ std::unique_ptr<Trainer::FitLoop> Trainer::setup_fit(LightningModule& module,
   results_ = FitResults{};
   global_step_ = 0;
   current_epoch_ = 0;
+  // Parameters, shards and everything else setup allocates (Note [Memory categories]).
+  MemoryCategoryGuard setup_category(MemoryCategory::kParameters);
 
   setup_model(module);
   OptimizerConfig opt = module.configure_optimizers();
@@ -440,10 +442,14 @@ void Trainer::train_micro_batch(FitLoop& L, const Batch& batch, int64_t batch_id
                                 bool boundary) {
   const int64_t k = L.accumulate;
   const auto forward_start = Clock::now();
-  strategy_->pre_forward(L.module, /*sync=*/boundary);
+  {
+    MemoryCategoryGuard category(MemoryCategory::kActivations);
+    strategy_->pre_forward(L.module, /*sync=*/boundary);
+  }
   L.module.logged().clear();
   at::Tensor loss;
   {
+    MemoryCategoryGuard category(MemoryCategory::kActivations);  // Note [Memory categories]
     CpuAutocastGuard autocast(cpu_autocast_);
     loss = L.module.training_step(batch, batch_idx);
   }
@@ -459,8 +465,11 @@ void Trainer::train_micro_batch(FitLoop& L, const Batch& batch, int64_t batch_id
   if (grad_scaler_) to_backward = grad_scaler_->scale(to_backward);
   const auto backward_start = Clock::now();
   L.step_forward += seconds_between(forward_start, backward_start);
-  strategy_->backward(to_backward);
-  strategy_->post_backward(L.module, /*sync=*/boundary);
+  {
+    MemoryCategoryGuard category(MemoryCategory::kBackward);
+    strategy_->backward(to_backward);
+    strategy_->post_backward(L.module, /*sync=*/boundary);
+  }
   L.step_backward += seconds_since(backward_start);
   L.loss_sum += loss.detach().item<double>();
   ++L.loss_count;
@@ -473,6 +482,7 @@ void Trainer::train_micro_batch(FitLoop& L, const Batch& batch, int64_t batch_id
 // when any rank's gradients hold inf/nan (Lightning's MixedPrecision plugin, in this order).
 void Trainer::optimizer_step(FitLoop& L) {
   const auto start = Clock::now();
+  MemoryCategoryGuard category(MemoryCategory::kOptimizer);
   if (grad_scaler_) grad_scaler_->unscale(*L.opt.optimizer);
   L.module.on_before_optimizer_step(*L.opt.optimizer);
   if (options_.gradient_clip_val > 0) {
@@ -545,8 +555,23 @@ void Trainer::finish_fit(FitLoop& L) {
     if (!results_.metrics.count(kv.first)) results_.metrics[kv.first] = kv.second;
   }
 
+  // The training peak's breakdown by category, per rank (read before gathering allocates).
+  const MemoryStats stats = memory_stats();
   RankMemory mem = gather_memory(*world_);
   results_.peak_alloc_bytes = mem.peak_bytes;
+  {
+    at::Tensor mine = at::empty({kNumMemoryCategories}, at::kLong);
+    for (int c = 0; c < kNumMemoryCategories; ++c) mine[c] = stats.peak_by_category[c];
+    at::Tensor all = at::empty({kNumMemoryCategories * world_size()}, at::kLong);
+    world_->all_gather_into_tensor(all, mine);
+    for (int r = 0; r < world_size(); ++r) {
+      std::array<int64_t, kNumMemoryCategories> bytes{};
+      for (int c = 0; c < kNumMemoryCategories; ++c) {
+        bytes[c] = all[r * kNumMemoryCategories + c].item<int64_t>();
+      }
+      results_.peak_breakdown_bytes.push_back(by_category_map(bytes));
+    }
+  }
   results_.peak_rss_bytes = mem.peak_rss_bytes;
   {
     at::Tensor mine = at::empty({2}, at::kLong);
