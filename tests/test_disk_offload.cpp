@@ -904,20 +904,43 @@ TEST(DiskOffload, FsdpTrainStage2NvmeMatchesRamAndLowersPeak) {
 // stage 3 in RAM; under a memory budget smaller than this rank's model state in RAM (fp32
 // parameter shard + gradient shard + two Adam moments = 16 bytes x parameters / ranks) the run
 // trains with its tracked peak under the budget while the same run in RAM is refused; nothing
-// is left under --nvme-path; --dry-run prints both plans.
+// is left under --nvme-path; --dry-run prints both plans. The model: 4 layers of width 256
+// (units above the default persistence threshold of 1e5 elements), tiny batches so that
+// parameters, not activations, dominate.
 TEST(DiskOffload, FsdpTrainParamsOnDiskUnderBudget) {
   const std::string nvme = own_dir("cli");
+  const std::string work = own_dir("cli-work");
   const std::vector<std::string> common = {
-      "--devices", "2", "--backend", "gloo", "--strategy", "deepspeed_stage_3", "--vocab-size",
-      "8192", "--batch-size", "1", "--block-size", "8"};
+      "--model", "custom", "--nlayers", "4", "--ninp", "256", "--nhead", "4", "--nhid", "1024",
+      "--vocab-size", "1024", "--batch-size", "1", "--block-size", "8", "--devices", "2",
+      "--backend", "gloo", "--strategy", "deepspeed_stage_3", "--data", "synthetic",
+      "--dropout", "0", "--seed", "7", "--max-steps", "10", "--no-progress-bar"};
   auto with = common;
   for (const char* f : {"--offload-optimizer-device", "nvme", "--offload-params-device", "nvme",
                         "--nvme-path", nvme.c_str(), "--sub-group-size", "16384",
                         "--params-buffer-count", "2", "--max-in-cpu", "0"}) {
     with.emplace_back(f);
   }
-  auto ram = fsdp::testing::fsdp_train_summary(common, "pdisk-ram");
-  auto disk = fsdp::testing::fsdp_train_summary(with, "pdisk-nvme");
+  auto train = [&](const std::vector<std::string>& flags, const std::string& tag,
+                   const std::map<std::string, std::string>& env,
+                   fsdp::testing::ProcResult* result) {
+    std::vector<std::string> argv = {fsdp::testing::bin_path("fsdp-train"), "--default-root-dir",
+                                     work + "/logs-" + tag, "--summary-json",
+                                     work + "/" + tag + ".json"};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    *result = fsdp::testing::run_process(argv, env);
+    nlohmann::json j = nlohmann::json::object();
+    std::ifstream f(work + "/" + tag + ".json");
+    if (result->exit_code == 0 && f.good()) j = nlohmann::json::parse(f);
+    return j;
+  };
+  fsdp::testing::ProcResult r;
+  auto ram = train(common, "ram", {}, &r);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto disk = train(with, "disk", {}, &r);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find("parameters on disk (offload_param device nvme)"), std::string::npos)
+      << r.err;
   ASSERT_TRUE(ram.contains("losses") && disk.contains("losses")) << ram << disk;
   const auto& a = ram["losses"];
   const auto& b = disk["losses"];
@@ -931,7 +954,7 @@ TEST(DiskOffload, FsdpTrainParamsOnDiskUnderBudget) {
   const double state_mb = 16.0 * disk["params"].get<double>() / 2 / 1048576.0;
   double disk_peak = 0;
   for (const char* key : {"setup_peak_alloc_mb", "peak_alloc_mb"}) {
-    for (size_t r = 0; r < 2; ++r) disk_peak = std::max(disk_peak, disk[key][r].get<double>());
+    for (size_t k = 0; k < 2; ++k) disk_peak = std::max(disk_peak, disk[key][k].get<double>());
   }
   const double budget_mb = disk_peak * 1.1;
   std::cerr << "model state per rank in RAM " << state_mb << " MB; tracked peak: RAM "
@@ -940,43 +963,34 @@ TEST(DiskOffload, FsdpTrainParamsOnDiskUnderBudget) {
   ASSERT_LT(budget_mb, state_mb) << "the budget would not be smaller than the model state";
   const std::map<std::string, std::string> env = {
       {"FSDP_MEMORY_BUDGET", std::to_string(static_cast<int64_t>(budget_mb * 1024 * 1024))}};
-  auto run = [&](const std::vector<std::string>& extra, const std::string& tag) {
-    std::vector<std::string> argv = {fsdp::testing::bin_path("fsdp-train"), "--model",
-                                     "transformer-tiny", "--data", "synthetic", "--dropout", "0",
-                                     "--seed", "7", "--max-steps", "10", "--no-progress-bar",
-                                     "--default-root-dir", nvme + "/../cli-logs-" + tag,
-                                     "--summary-json", nvme + "/../" + tag + ".json"};
-    argv.insert(argv.end(), extra.begin(), extra.end());
-    return fsdp::testing::run_process(argv, env);
-  };
-  const auto under = run(with, "under");
-  ASSERT_EQ(under.exit_code, 0) << "budget " << budget_mb << " MB\n" << under.err;
-  nlohmann::json u;
-  std::ifstream(nvme + "/../under.json") >> u;
-  for (size_t r = 0; r < 2; ++r) {
-    EXPECT_LT(u["peak_alloc_mb"][r].get<double>(), budget_mb) << "rank " << r;
+  auto under = train(with, "under", env, &r);
+  ASSERT_EQ(r.exit_code, 0) << "budget " << budget_mb << " MB\n" << r.err;
+  for (size_t k = 0; k < 2; ++k) {
+    EXPECT_LT(under["peak_alloc_mb"][k].get<double>(), budget_mb) << "rank " << k;
   }
-  EXPECT_NE(under.err.find("parameters on disk (offload_param device nvme)"), std::string::npos)
-      << under.err;
-  const auto over = run(common, "over");
-  EXPECT_NE(over.exit_code, 0) << "stage 3 in RAM fit the budget " << budget_mb << " MB";
-  EXPECT_NE(over.err.find("budget"), std::string::npos) << over.err;
+  train(common, "over", env, &r);
+  EXPECT_NE(r.exit_code, 0) << "stage 3 in RAM fit the budget " << budget_mb << " MB";
+  EXPECT_NE(r.err.find("budget"), std::string::npos) << r.err;
   EXPECT_TRUE(fs::is_empty(nvme)) << "swap files left under " << nvme;
 
   const auto dry = fsdp::testing::run_process(
-      {fsdp::testing::bin_path("fsdp-train"), "--model", "transformer-tiny", "--devices", "2",
+      {fsdp::testing::bin_path("fsdp-train"), "--model", "transformer-small", "--devices", "2",
        "--strategy", "deepspeed_stage_3", "--dry-run", "--offload-optimizer-device", "nvme",
        "--offload-params-device", "nvme", "--nvme-path", nvme});
   EXPECT_EQ(dry.exit_code, 0) << dry.out << dry.err;
   EXPECT_NE(dry.out.find("parameters on disk (offload_param nvme), per rank"), std::string::npos)
       << dry.out;
-  // A wrong flag value: one sentence.
+  EXPECT_NE(dry.out.find("parameter buffer(s)"), std::string::npos) << dry.out;
+  // A wrong flag value: one sentence naming the flag.
   const auto bad = fsdp::testing::run_process(
       {fsdp::testing::bin_path("fsdp-train"), "--model", "transformer-tiny", "--devices", "2",
        "--strategy", "deepspeed_stage_3", "--offload-params-device", "disk"});
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_NE((bad.out + bad.err).find("--offload-params-device"), std::string::npos)
       << bad.out << bad.err;
-  std::error_code ec;
-  fs::remove_all(fs::path(nvme).parent_path(), ec);
+  if (!fsdp::testing::in_child_rank()) {
+    std::error_code ec;
+    fs::remove_all(work, ec);
+    fs::remove_all(nvme, ec);
+  }
 }

@@ -308,6 +308,8 @@ void DeepSpeedStrategy::setup_module(LightningModule& module) {
   fsdp->set_name(name_);
   fsdp->connect(world_, launch_);
   impl_->fsdp = fsdp;
+  fsdp->impl().optimizer_on_disk = optimizer_on_disk(options_);
+  fsdp->impl().params_on_disk = params_on_disk(options_);
   fsdp->setup_module(module);
   if (!persistent_trainable.empty()) {
     impl_->zero =
