@@ -129,6 +129,7 @@ struct Args {
   int64_t params_buffer_count = 0;
   double params_buffer_size = 0;
   double max_in_cpu = -1;
+  int64_t persistence_threshold = -1;  // stage3_param_persistence_threshold; -1: the default
 
   Args() {  // this program's defaults where they differ from the library's
     trainer.max_steps = 100;
@@ -476,7 +477,8 @@ int dry_run(const Args& a, const ModelSpec& spec_in) {
   // Parameters on disk (--offload-params-device nvme, stage 3): each unit (a module with
   // parameters above stage3_param_persistence_threshold) puts this rank's shard in one record.
   if (a.offload_params_device == "nvme" || a.strategy == "deepspeed_stage_3_offload_nvme") {
-    const fsdp::DeepSpeedOptions d;
+    fsdp::DeepSpeedOptions d;
+    if (a.persistence_threshold >= 0) d.stage3_param_persistence_threshold = a.persistence_threshold;
     std::vector<int64_t> unit_bytes;
     for (const auto& m : model->modules(/*include_self=*/true)) {
       int64_t bytes = 0;
@@ -597,7 +599,7 @@ int run(const Args& a, const ModelSpec& spec_in) {
   }
   TORCH_CHECK((a.offload_optimizer_device.empty() && a.nvme_path.empty() &&
                a.offload_params_device.empty() && a.params_buffer_count == 0 &&
-               a.params_buffer_size == 0 && a.max_in_cpu < 0) ||
+               a.params_buffer_size == 0 && a.max_in_cpu < 0 && a.persistence_threshold < 0) ||
                   a.strategy.rfind("deepspeed", 0) == 0 || !a.deepspeed_config.empty(),
               "[fsdp-train] --offload-optimizer-device / --offload-params-device / --nvme-path / "
               "--params-buffer-count / --params-buffer-size / --max-in-cpu need a DeepSpeed strategy "
@@ -629,6 +631,7 @@ int run(const Args& a, const ModelSpec& spec_in) {
     if (a.params_buffer_count > 0) o.params_buffer_count = a.params_buffer_count;
     if (a.params_buffer_size > 0) o.params_buffer_size = a.params_buffer_size;
     if (a.max_in_cpu >= 0) o.max_in_cpu = a.max_in_cpu;
+    if (a.persistence_threshold >= 0) o.stage3_param_persistence_threshold = a.persistence_threshold;
     if (!a.nvme_path.empty()) o.nvme_path = a.nvme_path;
     if (a.sub_group_size > 0) o.sub_group_size = a.sub_group_size;
     o.aio = a.aio;
@@ -1010,6 +1013,11 @@ int main(int argc, char** argv) {
                  "parameters on disk: elements of the first units' shards kept in RAM "
                  "(offload_param.max_in_cpu, default 1e9)")
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--stage3-param-persistence-threshold", a.persistence_threshold,
+                 "strategy deepspeed_stage_3: parameters of at most this many elements stay whole "
+                 "(default 1e5); 0 shards every parameter and builds the model sharded (deferred "
+                 "init: no rank holds the whole model)")
+      ->check(at_least(int64_t{0}));
   app.add_option("--nvme-path", a.nvme_path,
                  "the disk tier's directory (swap files go to NVME_PATH/<job>/rank<r>/, removed "
                  "on exit)");

@@ -496,8 +496,12 @@ fsdp::DeepSpeedOptions params_nvme_options(const std::string& nvme_path) {
 // losses and final parameters; at rest every sharded parameter of a unit holds no storage (it
 // is on disk), each unit's record was written at setup and in every step (every read checks
 // its generation and checksum), and the swap directory is gone after the strategy.
-void parity_params_on_disk(int world_size, const std::string& backend) {
-  const std::string root = own_dir("params-" + backend + std::to_string(world_size));
+// persistence_threshold 0: no parameter stays whole, and the model is built sharded (deferred
+// init), as a model larger than RAM needs.
+void parity_params_on_disk(int world_size, const std::string& backend,
+                           int64_t persistence_threshold = 64) {
+  const std::string root = own_dir("params-" + backend + std::to_string(world_size) + "-t" +
+                                   std::to_string(persistence_threshold));
   fsdp::testing::run_ranks(world_size, backend, [&](fsdp::ProcessGroup& pg) {
     const std::string job = "job-params";
     ::setenv("FSDP_JOB_ID", job.c_str(), 1);
@@ -508,12 +512,15 @@ void parity_params_on_disk(int world_size, const std::string& backend) {
     auto want = fsdp::testing::train_reference(ref, cfg);
     {
       TinyLM lm;
-      auto strategy = connected(params_nvme_options(root));
+      auto options = params_nvme_options(root);
+      options.stage3_param_persistence_threshold = persistence_threshold;
+      auto strategy = connected(options);
       int64_t on_disk = 0;
       auto count_on_disk = [&] {
         int64_t n = 0;
         for (auto& p : lm.parameters(true)) {
-          if (p.numel() > 64 && p.storage().nbytes() == 0) ++n;  // not persistent, on disk
+          // Not persistent, on disk.
+          if (p.numel() > persistence_threshold && p.storage().nbytes() == 0) ++n;
         }
         return n;
       };
@@ -525,6 +532,10 @@ void parity_params_on_disk(int world_size, const std::string& backend) {
         EXPECT_EQ(static_cast<int64_t>(strategy->param_swap_files().size()), plan->units_on_disk);
         on_disk = count_on_disk();
         EXPECT_GT(on_disk, 2) << "no sharded parameter left RAM";
+        if (persistence_threshold == 0) {  // built sharded: units made inside configure_model
+          ASSERT_NE(strategy->stage3_engine(), nullptr);
+          EXPECT_GT(strategy->stage3_engine()->num_deferred_units(), 2);
+        }
       };
       auto got = fsdp::testing::train_with(*strategy, lm, cfg);
       fsdp::testing::expect_losses_close(got, want, 1e-5);
@@ -573,6 +584,8 @@ TEST(DiskOffload, ParamsOnDiskParityGlooWorld2) { parity_params_on_disk(2, "gloo
 TEST(DiskOffload, ParamsOnDiskParityGlooWorld3) { parity_params_on_disk(3, "gloo"); }
 TEST(DiskOffload, ParamsOnDiskParityMpiWorld2) { parity_params_on_disk(2, "mpi"); }
 TEST(DiskOffload, ParamsOnDiskParityMpiWorld3) { parity_params_on_disk(3, "mpi"); }
+TEST(DiskOffload, ParamsOnDiskDeferredInitParityGlooWorld2) { parity_params_on_disk(2, "gloo", 0); }
+TEST(DiskOffload, ParamsOnDiskDeferredInitParityMpiWorld3) { parity_params_on_disk(3, "mpi", 0); }
 
 // Bad configurations of parameters on disk: one clear error each, at setup, on every rank.
 TEST(DiskOffload, ParamsOnDiskBadConfigurations) {

@@ -37,6 +37,7 @@
 namespace fsdp {
 
 class FSDPStrategy;
+struct FSDPOptions;
 
 // Lightning's DeepSpeedStrategy arguments, same names and defaults (facts: Lightning's
 // strategies/deepspeed.py). Bucket sizes count elements, as in DeepSpeed.
@@ -153,6 +154,10 @@ class DeepSpeedStrategy : public Strategy {
   // gradient_accumulation_steps into the Trainer's options; a different non-default value
   // there is an error naming both.
   void configure_trainer(TrainerOptions& options) const override;
+  // Stage 3 with stage3_param_persistence_threshold 0 at 2+ ranks: the engine shards each unit
+  // while configure_model builds it (deferred init: no rank holds the whole model).
+  void enter_configure_model() override;
+  void exit_configure_model() override;
   void setup_module(LightningModule& module) override;
   // The config's optimizer (and scheduler) over the set-up module's parameters, replacing the
   // module's own (Lightning: a config optimizer wins).
@@ -198,6 +203,8 @@ class DeepSpeedStrategy : public Strategy {
   std::string disk_job_name();
   std::string make_disk_job_name();
   void setup_params_on_disk();
+  FSDPOptions stage3_engine_options(bool deferred) const;
+  void make_stage3_engine(const FSDPOptions& options);
   void setup_disk_tier(torch::optim::Optimizer& optimizer);
 
   struct Impl;

@@ -27,6 +27,9 @@ struct FSDPStrategy::Impl {
   // buffers against the budget).
   bool optimizer_on_disk = false;
   bool params_on_disk = false;
+  // The strategy running this engine (DeepSpeedStrategy, stage 3): fsdp::active_strategy()
+  // while its configure_model runs, so deferred init shards for it.
+  const Strategy* outer = nullptr;
 };
 
 namespace detail {

@@ -278,21 +278,15 @@ void DeepSpeedStrategy::setup_module(LightningModule& module) {
     return;
   }
 
-  // Stage 3: persistent parameters stay whole; every module with parameters is a unit.
-  FSDPOptions fo;
-  fo.sharding_strategy = ShardingStrategy::kFullShard;
-  fo.deferred_init = false;
-  fo.sync_module_states = true;
-  // ZeRO-3's prefetch window and live-parameter bound (Note [Prefetch window]); a bucket of 0
-  // turns prefetching off, as in DeepSpeed.
-  fo.forward_prefetch = options_.stage3_prefetch_bucket_size > 0;
-  fo.backward_prefetch = options_.stage3_prefetch_bucket_size > 0 ? BackwardPrefetch::kPre
-                                                                   : BackwardPrefetch::kNone;
-  fo.prefetch_bucket_numel = options_.stage3_prefetch_bucket_size;
-  fo.max_live_numel = options_.stage3_max_live_parameters;
-  fo.auto_wrap_policy =
-      AutoWrapPolicy::of_predicate([](const torch::nn::Module&, int64_t n) { return n > 0; });
+  // Stage 3: persistent parameters stay whole; every module with parameters is a unit. With a
+  // persistence threshold of 0 the engine was made in enter_configure_model (deferred init).
   std::vector<std::pair<std::string, at::Tensor>> persistent_trainable;
+  if (impl_->fsdp) {
+    impl_->fsdp->setup_module(module);
+    if (params_on_disk(options_)) setup_params_on_disk();
+    return;
+  }
+  FSDPOptions fo = stage3_engine_options(/*deferred=*/false);
   for (auto& np : params) {
     if (np.second.numel() <= options_.stage3_param_persistence_threshold) {
       impl_->persistent.push_back(np);
@@ -304,13 +298,8 @@ void DeepSpeedStrategy::setup_module(LightningModule& module) {
     at::NoGradGuard no_grad;
     for (auto& [name, p] : impl_->persistent) world_->broadcast(p.detach(), 0);
   }
-  auto fsdp = std::make_shared<FSDPStrategy>(fo);
-  fsdp->set_name(name_);
-  fsdp->connect(world_, launch_);
-  impl_->fsdp = fsdp;
-  fsdp->impl().optimizer_on_disk = optimizer_on_disk(options_);
-  fsdp->impl().params_on_disk = params_on_disk(options_);
-  fsdp->setup_module(module);
+  make_stage3_engine(fo);
+  impl_->fsdp->setup_module(module);
   if (!persistent_trainable.empty()) {
     impl_->zero =
         std::make_unique<detail::ZeroPartitioner>(world_, std::move(persistent_trainable), zo);
@@ -347,6 +336,50 @@ void DeepSpeedStrategy::setup_params_on_disk() {
   for (auto& unit : state.units()) unit->set_residency(impl_->params_on_disk.get());
   std::fprintf(stderr, "[deepspeed] rank %d: parameters on disk (offload_param device nvme):\n%s",
                rank(), impl_->params_on_disk->plan().describe().c_str());
+}
+
+// The stage-3 engine's options: FULL_SHARD, a unit per module with parameters, ZeRO-3's
+// prefetch window and live-parameter bound (Note [Prefetch window]; a bucket of 0 turns
+// prefetching off, as in DeepSpeed). Eager setup broadcasts rank 0's values; deferred init
+// (Note [Deferred initialization]) builds the same values on every rank from the seed.
+FSDPOptions DeepSpeedStrategy::stage3_engine_options(bool deferred) const {
+  FSDPOptions fo;
+  fo.sharding_strategy = ShardingStrategy::kFullShard;
+  fo.deferred_init = deferred;
+  fo.sync_module_states = !deferred;
+  fo.forward_prefetch = options_.stage3_prefetch_bucket_size > 0;
+  fo.backward_prefetch = options_.stage3_prefetch_bucket_size > 0 ? BackwardPrefetch::kPre
+                                                                   : BackwardPrefetch::kNone;
+  fo.prefetch_bucket_numel = options_.stage3_prefetch_bucket_size;
+  fo.max_live_numel = options_.stage3_max_live_parameters;
+  fo.auto_wrap_policy =
+      AutoWrapPolicy::of_predicate([](const torch::nn::Module&, int64_t n) { return n > 0; });
+  return fo;
+}
+
+void DeepSpeedStrategy::make_stage3_engine(const FSDPOptions& fo) {
+  auto fsdp = std::make_shared<FSDPStrategy>(fo);
+  fsdp->set_name(name_);
+  fsdp->connect(world_, launch_);
+  fsdp->impl().optimizer_on_disk = optimizer_on_disk(options_);
+  fsdp->impl().params_on_disk = params_on_disk(options_);
+  fsdp->impl().outer = this;
+  impl_->fsdp = fsdp;
+}
+
+// Stage 3 with stage3_param_persistence_threshold 0 (no parameter stays whole, so the engine
+// ignores none) shards each unit while configure_model builds it: no rank ever holds the whole
+// model (what a model larger than RAM needs, e.g. with parameters on disk).
+void DeepSpeedStrategy::enter_configure_model() {
+  if (options_.stage != 3 || options_.stage3_param_persistence_threshold != 0) return;
+  if (!world_) connect(world_group(), launch_);
+  if (!world_ || world_->size() < 2) return;
+  if (!impl_->fsdp) make_stage3_engine(stage3_engine_options(/*deferred=*/true));
+  impl_->fsdp->enter_configure_model();
+}
+
+void DeepSpeedStrategy::exit_configure_model() {
+  if (impl_->fsdp) impl_->fsdp->exit_configure_model();
 }
 
 void DeepSpeedStrategy::configure_trainer(TrainerOptions& o) const {
