@@ -1007,3 +1007,47 @@ TEST(DiskOffload, FsdpTrainParamsOnDiskUnderBudget) {
     fs::remove_all(nvme, ec);
   }
 }
+
+// A parameter record changed on disk behind the swapper's back (one bit flipped) is detected at
+// its next read: an error naming the file, and the tier refuses to go on, on every rank.
+TEST(DiskOffload, ParamsOnDiskCorruptRecordIsDetected) {
+  const std::string root = own_dir("params-corrupt");
+  fsdp::testing::run_ranks(2, "gloo", [&](fsdp::ProcessGroup& pg) {
+    ::setenv("FSDP_JOB_ID", "job-corrupt", 1);
+    DiskRun run(params_nvme_options(root));
+    run.train(1);
+    run.strategy->flush_disk_tier();
+    const auto files = run.strategy->param_swap_files();
+    ASSERT_FALSE(files.empty());
+    for (const auto& f : files) {  // every record: whichever unit is read first finds it
+      std::fstream io(f, std::ios::in | std::ios::out | std::ios::binary);
+      io.seekg(4096 + 40);
+      char c = 0;
+      io.read(&c, 1);
+      c ^= 0x04;
+      io.seekp(4096 + 40);
+      io.write(&c, 1);
+    }
+    pg.barrier();
+    try {
+      run.train(1);
+      ADD_FAILURE() << "a corrupted parameter record was used";
+    } catch (const c10::Error& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("data checksum"), std::string::npos) << msg;
+      EXPECT_NE(msg.find(root + "/job-corrupt/rank" + std::to_string(pg.rank()) + "/params.unit"),
+                std::string::npos) << msg;
+    }
+    try {
+      run.train(1);
+      ADD_FAILURE() << "training went on after a corrupted parameter record";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("stopped after an error"), std::string::npos)
+          << e.what();
+    }
+  });
+  if (!fsdp::testing::in_child_rank()) {
+    std::error_code ec;
+    fs::remove_all(root, ec);
+  }
+}
