@@ -123,6 +123,13 @@ struct Args {
   std::string nvme_path;
   double sub_group_size = 0;  // 0: the strategy's default
   fsdp::AioOptions aio;
+  // Parameters on disk (stage 3): offload_params_device and offload_param's buffer_count,
+  // buffer_size, max_in_cpu; 0 / "" = the strategy's default.
+  std::string offload_params_device;  // "" | "cpu" | "nvme"
+  int64_t params_buffer_count = 0;
+  double params_buffer_size = 0;
+  double max_in_cpu = -1;
+  int64_t persistence_threshold = -1;  // stage3_param_persistence_threshold; -1: the default
 
   Args() {  // this program's defaults where they differ from the library's
     trainer.max_steps = 100;
@@ -467,6 +474,42 @@ int dry_run(const Args& a, const ModelSpec& spec_in) {
               << fsdp::format_bytes(node_disk) << " on disk: "
               << (disk_fits ? "fits" : "does NOT fit; setup would refuse it") << "\n";
   }
+  // Parameters on disk (--offload-params-device nvme, stage 3): each unit (a module with
+  // parameters above stage3_param_persistence_threshold) puts this rank's shard in one record.
+  if (a.offload_params_device == "nvme" || a.strategy == "deepspeed_stage_3_offload_nvme") {
+    fsdp::DeepSpeedOptions d;
+    if (a.persistence_threshold >= 0) d.stage3_param_persistence_threshold = a.persistence_threshold;
+    std::vector<int64_t> unit_bytes;
+    for (const auto& m : model->modules(/*include_self=*/true)) {
+      int64_t bytes = 0;
+      for (const auto& p : m->named_parameters(/*recurse=*/false)) {
+        const at::Tensor& t = p.value();
+        if (t.numel() <= d.stage3_param_persistence_threshold) continue;
+        const int64_t dim0 = t.dim() >= 1 ? t.size(0) : 1;
+        bytes += (dim0 + world - 1) / world * (t.numel() / std::max<int64_t>(dim0, 1)) * 4;
+      }
+      if (bytes > 0) unit_bytes.push_back(bytes);
+    }
+    const std::string nvme = a.nvme_path.empty() ? d.nvme_path : a.nvme_path;
+    fsdp::ParamDiskPlan plan = fsdp::plan_param_offload(
+        unit_bytes, a.params_buffer_count > 0 ? a.params_buffer_count : d.params_buffer_count,
+        static_cast<int64_t>(a.params_buffer_size > 0 ? a.params_buffer_size : d.params_buffer_size),
+        static_cast<int64_t>(a.max_in_cpu >= 0 ? a.max_in_cpu : d.max_in_cpu), nvme);
+    plan.dir = nvme + "/<job>/rank<r>";
+    const int64_t node_disk = plan.disk_bytes * devices;
+    const bool fits = plan.free_bytes < 0 || node_disk <= plan.free_bytes;
+    const bool buffer_ok = plan.largest_unit_numel <= plan.buffer_numel;
+    disk_fits = disk_fits && fits && buffer_ok;
+    std::cout << "parameters on disk (offload_param nvme), per rank: the parameter column of "
+                 "stage 3 goes to disk, except the persistent parameters (<= "
+              << d.stage3_param_persistence_threshold << " elements)\n"
+              << plan.describe() << "  this node (" << devices << " rank(s)): "
+              << fsdp::format_bytes(node_disk) << " on disk: "
+              << (fits ? "fits" : "does NOT fit; setup would refuse it")
+              << (buffer_ok ? "" : "; the largest unit's shard exceeds buffer_size: setup would "
+                                   "refuse it (raise --params-buffer-size)")
+              << "\n";
+  }
   const int64_t rss = fsdp::peak_rss_bytes();
   std::cout << "model state only (fp32 params, grads, 2 Adam moments; DDP: + bucket buffers; "
                "FSDP: + root unit and the two largest units unsharded); activations not "
@@ -554,9 +597,12 @@ int run(const Args& a, const ModelSpec& spec_in) {
     fsdp::set_comm_hook(o, a.ddp_comm_hook, a.ddp_comm_wrapper, a.powersgd, a.post_local_sgd);
     t.strategy = std::make_shared<fsdp::DDPStrategy>(o);
   }
-  TORCH_CHECK((a.offload_optimizer_device.empty() && a.nvme_path.empty()) ||
+  TORCH_CHECK((a.offload_optimizer_device.empty() && a.nvme_path.empty() &&
+               a.offload_params_device.empty() && a.params_buffer_count == 0 &&
+               a.params_buffer_size == 0 && a.max_in_cpu < 0 && a.persistence_threshold < 0) ||
                   a.strategy.rfind("deepspeed", 0) == 0 || !a.deepspeed_config.empty(),
-              "[fsdp-train] --offload-optimizer-device / --nvme-path need a DeepSpeed strategy "
+              "[fsdp-train] --offload-optimizer-device / --offload-params-device / --nvme-path / "
+              "--params-buffer-count / --params-buffer-size / --max-in-cpu need a DeepSpeed strategy "
               "(--strategy deepspeed_stage_2, deepspeed_stage_3, ...); --strategy ", a.strategy,
               " has no disk tier");
   if (a.strategy.rfind("deepspeed", 0) == 0 || !a.deepspeed_config.empty()) {
@@ -575,6 +621,17 @@ int run(const Args& a, const ModelSpec& spec_in) {
       o.offload_optimizer = true;
       o.offload_optimizer_device = a.offload_optimizer_device;
     }
+    if (!a.offload_params_device.empty()) {
+      TORCH_CHECK(a.deepspeed_config.empty(), "[fsdp-train] --offload-params-device with "
+                  "--deepspeed-config: set zero_optimization.offload_param in the config "
+                  "instead (a config replaces the strategy's options)");
+      o.offload_parameters = true;
+      o.offload_params_device = a.offload_params_device;
+    }
+    if (a.params_buffer_count > 0) o.params_buffer_count = a.params_buffer_count;
+    if (a.params_buffer_size > 0) o.params_buffer_size = a.params_buffer_size;
+    if (a.max_in_cpu >= 0) o.max_in_cpu = a.max_in_cpu;
+    if (a.persistence_threshold >= 0) o.stage3_param_persistence_threshold = a.persistence_threshold;
     if (!a.nvme_path.empty()) o.nvme_path = a.nvme_path;
     if (a.sub_group_size > 0) o.sub_group_size = a.sub_group_size;
     o.aio = a.aio;
@@ -690,6 +747,7 @@ int run(const Args& a, const ModelSpec& spec_in) {
     j["backward_seconds"] = r.backward_seconds;
     j["optimizer_seconds"] = r.optimizer_seconds;
     j["comm_seconds"] = r.comm_seconds;
+    j["disk_wait_seconds"] = r.disk_wait_seconds;  // rank 0, per step: blocked on the disk tier
     std::vector<double> alloc, rss;
     for (auto b : r.peak_alloc_bytes) alloc.push_back(b / 1048576.0);
     for (auto b : r.peak_rss_bytes) rss.push_back(b / 1048576.0);
@@ -937,6 +995,29 @@ int main(int argc, char** argv) {
                  "this device) or 'nvme' (the disk tier: Adam's moments in swap files under "
                  "--nvme-path, streamed through the step)")
       ->check(one_of({"cpu", "nvme"}));
+  app.add_option("--offload-params-device", a.offload_params_device,
+                 "strategy deepspeed_stage_3: offload_param to 'cpu' (where the parameters "
+                 "already are on this device) or 'nvme' (each unit's shard in a swap file under "
+                 "--nvme-path, read before its all-gather and streamed through the step; needs "
+                 "--offload-optimizer-device nvme and 2+ devices)")
+      ->check(one_of({"cpu", "nvme"}));
+  app.add_option("--params-buffer-count", a.params_buffer_count,
+                 "parameters on disk: buffers for reading units ahead and writing them back "
+                 "(offload_param.buffer_count, default 5)")
+      ->check(at_least(int64_t{1}));
+  app.add_option("--params-buffer-size", a.params_buffer_size,
+                 "parameters on disk: elements per buffer; a unit's shard larger than this is "
+                 "refused at setup (offload_param.buffer_size, default 1e8)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--max-in-cpu", a.max_in_cpu,
+                 "parameters on disk: elements of the first units' shards kept in RAM "
+                 "(offload_param.max_in_cpu, default 1e9)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--stage3-param-persistence-threshold", a.persistence_threshold,
+                 "strategy deepspeed_stage_3: parameters of at most this many elements stay whole "
+                 "(default 1e5); 0 shards every parameter and builds the model sharded (deferred "
+                 "init: no rank holds the whole model)")
+      ->check(at_least(int64_t{0}));
   app.add_option("--nvme-path", a.nvme_path,
                  "the disk tier's directory (swap files go to NVME_PATH/<job>/rank<r>/, removed "
                  "on exit)");

@@ -466,6 +466,170 @@ TEST(DiskOffload, ParityStage2And3GlooWorld3) { parity_with_disk(3, "gloo"); }
 TEST(DiskOffload, ParityStage2And3MpiWorld2) { parity_with_disk(2, "mpi"); }
 TEST(DiskOffload, ParityStage2And3MpiWorld3) { parity_with_disk(3, "mpi"); }
 
+// Parameters on disk (offload_param nvme) get their own scratch root: /tmp/fsdp_disk_tests is
+// shared with other runs of this file.
+// The root is decided by the first process (the test) and inherited by its ranks.
+std::string own_dir(const std::string& name) {
+  const char* env = std::getenv("FSDP_PARAMS_DISK_TEST_ROOT");
+  if (env == nullptr || *env == 0) {
+    const std::string r = (fs::temp_directory_path() /
+                           ("fsdp_params_disk_tests-" + std::to_string(::getpid()))).string();
+    ::setenv("FSDP_PARAMS_DISK_TEST_ROOT", r.c_str(), 1);
+    env = std::getenv("FSDP_PARAMS_DISK_TEST_ROOT");
+  }
+  fs::path d = fs::path(env) / name;
+  fs::create_directories(d);
+  return d.string();
+}
+
+fsdp::DeepSpeedOptions params_nvme_options(const std::string& nvme_path) {
+  fsdp::DeepSpeedOptions o = nvme_options(3, nvme_path);
+  o.offload_parameters = true;
+  o.offload_params_device = "nvme";
+  o.params_buffer_count = 3;
+  o.params_buffer_size = 1e6;
+  o.max_in_cpu = 0;  // every unit on disk
+  return o;
+}
+
+// Stage 3 with parameters and optimizer state on disk against a single process: the same
+// losses and final parameters; at rest every sharded parameter of a unit holds no storage (it
+// is on disk), each unit's record was written at setup and in every step (every read checks
+// its generation and checksum), and the swap directory is gone after the strategy.
+// persistence_threshold 0: no parameter stays whole, and the model is built sharded (deferred
+// init), as a model larger than RAM needs.
+void parity_params_on_disk(int world_size, const std::string& backend,
+                           int64_t persistence_threshold = 64) {
+  const std::string root = own_dir("params-" + backend + std::to_string(world_size) + "-t" +
+                                   std::to_string(persistence_threshold));
+  fsdp::testing::run_ranks(world_size, backend, [&](fsdp::ProcessGroup& pg) {
+    const std::string job = "job-params";
+    ::setenv("FSDP_JOB_ID", job.c_str(), 1);
+    const std::string rank_dir = root + "/" + job + "/rank" + std::to_string(pg.rank());
+    LoopConfig cfg;
+    cfg.steps = 6;
+    TinyLM ref;
+    auto want = fsdp::testing::train_reference(ref, cfg);
+    {
+      TinyLM lm;
+      auto options = params_nvme_options(root);
+      options.stage3_param_persistence_threshold = persistence_threshold;
+      auto strategy = connected(options);
+      int64_t on_disk = 0;
+      auto count_on_disk = [&] {
+        int64_t n = 0;
+        for (auto& p : lm.parameters(true)) {
+          // Not persistent, on disk.
+          if (p.numel() > persistence_threshold && p.storage().nbytes() == 0) ++n;
+        }
+        return n;
+      };
+      cfg.after_setup = [&](fsdp::Strategy&, fsdp::LightningModule&) {
+        const fsdp::ParamDiskPlan* plan = strategy->param_disk_plan();
+        ASSERT_NE(plan, nullptr);
+        EXPECT_GT(plan->units_on_disk, 2);
+        EXPECT_EQ(plan->units_on_disk, plan->units);
+        EXPECT_EQ(static_cast<int64_t>(strategy->param_swap_files().size()), plan->units_on_disk);
+        on_disk = count_on_disk();
+        EXPECT_GT(on_disk, 2) << "no sharded parameter left RAM";
+        if (persistence_threshold == 0) {  // built sharded: units made inside configure_model
+          ASSERT_NE(strategy->stage3_engine(), nullptr);
+          EXPECT_GT(strategy->stage3_engine()->num_deferred_units(), 2);
+        }
+      };
+      auto got = fsdp::testing::train_with(*strategy, lm, cfg);
+      fsdp::testing::expect_losses_close(got, want, 1e-5);
+      EXPECT_EQ(count_on_disk(), on_disk) << "parameters left in RAM after the steps";
+      fsdp::testing::expect_params_close(strategy->gather_full_params(), ref, 1e-5);
+      EXPECT_EQ(count_on_disk(), on_disk) << "parameters left in RAM after gather_full_params";
+      strategy->flush_disk_tier();
+      ASSERT_TRUE(fs::is_directory(rank_dir)) << rank_dir;
+      int64_t bytes = 0;
+      for (const auto& f : strategy->param_swap_files()) {
+        ASSERT_TRUE(fs::exists(f)) << f;
+        bytes += static_cast<int64_t>(fs::file_size(f));
+        std::ifstream in(f, std::ios::binary);
+        fsdp::detail::SwapHeader h{};
+        in.read(reinterpret_cast<char*>(&h), sizeof h);
+        EXPECT_EQ(std::string(h.magic, 8), "FSDPSWP1") << f;
+        // Written at setup, then once per step, or twice when the unit's parameters sit in
+        // two parameter groups (TinyLM: weights decay, biases do not; the step releases a
+        // unit after each group's part).
+        const uint64_t steps = static_cast<uint64_t>(cfg.steps);
+        EXPECT_TRUE(h.generation == 1 + steps || h.generation == 1 + 2 * steps)
+            << f << ": write #" << h.generation;
+      }
+      EXPECT_EQ(bytes, strategy->param_disk_plan()->disk_bytes);
+      // Checkpoints of such a run are refused on every rank, before anything is written.
+      try {
+        fsdp::save_checkpoint(root + "/ckpt", *strategy, lm, nullptr, {},
+                              fsdp::StateDictType::kSharded);
+        ADD_FAILURE() << "a checkpoint of parameters on disk was written";
+      } catch (const c10::Error& e) {
+        EXPECT_NE(std::string(e.what()).find("parameters on disk"), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find("not implemented yet"), std::string::npos) << e.what();
+      }
+      pg.barrier();
+      EXPECT_FALSE(fs::exists(root + "/ckpt"));
+    }
+    EXPECT_FALSE(fs::exists(rank_dir)) << "swap directory left after the strategy ended";
+  });
+  if (!fsdp::testing::in_child_rank()) {
+    std::error_code ec;
+    fs::remove_all(root, ec);
+  }
+}
+
+TEST(DiskOffload, ParamsOnDiskParityGlooWorld2) { parity_params_on_disk(2, "gloo"); }
+TEST(DiskOffload, ParamsOnDiskParityGlooWorld3) { parity_params_on_disk(3, "gloo"); }
+TEST(DiskOffload, ParamsOnDiskParityMpiWorld2) { parity_params_on_disk(2, "mpi"); }
+TEST(DiskOffload, ParamsOnDiskParityMpiWorld3) { parity_params_on_disk(3, "mpi"); }
+TEST(DiskOffload, ParamsOnDiskDeferredInitParityGlooWorld2) { parity_params_on_disk(2, "gloo", 0); }
+TEST(DiskOffload, ParamsOnDiskDeferredInitParityMpiWorld3) { parity_params_on_disk(3, "mpi", 0); }
+
+// Bad configurations of parameters on disk: one clear error each, at setup, on every rank.
+TEST(DiskOffload, ParamsOnDiskBadConfigurations) {
+  const std::string root = own_dir("params-bad");
+  fsdp::testing::run_ranks(2, "gloo", [&](fsdp::ProcessGroup&) {
+    // A unit larger than buffer_size: the sizes and the flag to change.
+    auto o = params_nvme_options(root);
+    o.params_buffer_size = 100;
+    TinyLM lm;
+    auto strategy = connected(o);
+    fsdp::configure_model_with(*strategy, lm);
+    try {
+      strategy->setup_module(lm);
+      ADD_FAILURE() << "a unit larger than buffer_size was accepted";
+    } catch (const c10::Error& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("more than one buffer of buffer_size 100 elements"), std::string::npos)
+          << msg;
+      EXPECT_NE(msg.find("--params-buffer-size"), std::string::npos) << msg;
+    }
+  });
+  // Without the optimizer on nvme (checked when the strategy is made, before any rank starts).
+  auto o = params_nvme_options(root);
+  o.offload_optimizer_device = "cpu";
+  EXPECT_THROW(fsdp::DeepSpeedStrategy{o}, c10::Error);
+  // One rank: nothing is sharded, so nothing is all-gathered from disk.
+  fsdp::testing::run_ranks(1, "gloo", [&](fsdp::ProcessGroup&) {
+    TinyLM lm;
+    auto strategy = connected(params_nvme_options(root));
+    fsdp::configure_model_with(*strategy, lm);
+    try {
+      strategy->setup_module(lm);
+      ADD_FAILURE() << "parameters on disk at world 1 accepted";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("need at least 2 ranks"), std::string::npos)
+          << e.what();
+    }
+  });
+  if (!fsdp::testing::in_child_rank()) {
+    std::error_code ec;
+    fs::remove_all(root, ec);
+  }
+}
+
 // A model set up under a disk-tier strategy, stepped on this rank's share of the global batches.
 struct DiskRun {
   TinyLM lm;
@@ -621,19 +785,43 @@ TEST(DiskOffload, CheckpointWriteErrorPublishesNothing) {
 }
 
 TEST(DiskOffload, OptionsAndConfig) {
-  // Parameters on disk are not implemented: a clear error naming the option.
+  // Parameters on disk need the optimizer state on disk too (as DeepSpeed requires) and stage 3.
   fsdp::DeepSpeedOptions p;
   p.stage = 3;
   p.offload_parameters = true;
   p.offload_params_device = "nvme";
+  p.nvme_path = "/tmp/x";
   try {
     fsdp::DeepSpeedStrategy s(p);
-    ADD_FAILURE() << "offload_params_device nvme accepted";
+    ADD_FAILURE() << "offload_params_device nvme without the optimizer on nvme accepted";
   } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("offload_params_device = \"nvme\""), std::string::npos);
-    EXPECT_NE(std::string(e.what()).find("not implemented yet"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("need the optimizer state on disk too"),
+              std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("offload_optimizer_device=\"nvme\""),
+              std::string::npos) << e.what();
   }
-  EXPECT_THROW(fsdp::make_deepspeed_strategy("deepspeed_stage_3_offload_nvme"), c10::Error);
+  p.offload_optimizer = true;
+  p.offload_optimizer_device = "nvme";
+  EXPECT_NO_THROW(fsdp::DeepSpeedStrategy{p});
+  p.stage = 2;
+  EXPECT_THROW(fsdp::DeepSpeedStrategy{p}, c10::Error);
+  // Lightning's name offloads both to nvme.
+  auto named = fsdp::make_deepspeed_strategy("deepspeed_stage_3_offload_nvme");
+  EXPECT_EQ(named->options().stage, 3);
+  EXPECT_EQ(named->options().offload_params_device, "nvme");
+  EXPECT_EQ(named->options().offload_optimizer_device, "nvme");
+  // offload_param in the JSON config.
+  auto c = fsdp::parse_deepspeed_config(R"({
+    "zero_optimization": {"stage": 3,
+      "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp/y"},
+      "offload_param": {"device": "nvme", "nvme_path": "/tmp/y", "buffer_count": 3,
+                        "buffer_size": 5e5, "max_in_cpu": 0}}})");
+  EXPECT_TRUE(c.offload_parameters);
+  EXPECT_EQ(c.offload_params_device, "nvme");
+  EXPECT_EQ(c.params_buffer_count, 3);
+  EXPECT_EQ(c.params_buffer_size, 5e5);
+  EXPECT_EQ(c.max_in_cpu, 0);
+  EXPECT_NO_THROW(fsdp::DeepSpeedStrategy{c});
   // The JSON config: offload_optimizer on nvme with the aio block.
   auto o = fsdp::parse_deepspeed_config(R"({
     "zero_optimization": {"stage": 2, "sub_group_size": 1000,
@@ -723,4 +911,143 @@ TEST(DiskOffload, FsdpTrainStage2NvmeMatchesRamAndLowersPeak) {
   EXPECT_NE(dry.out.find("disk tier (offload_optimizer nvme), per rank"), std::string::npos)
       << dry.out;
   EXPECT_NE(dry.out.find("fits"), std::string::npos) << dry.out;
+}
+
+// fsdp-train end to end with parameters and optimizer state on disk: the same losses as
+// stage 3 in RAM; under a memory budget smaller than this rank's model state in RAM (fp32
+// parameter shard + gradient shard + two Adam moments = 16 bytes x parameters / ranks) the run
+// trains with its tracked peak under the budget while the same run in RAM is refused; nothing
+// is left under --nvme-path; --dry-run prints both plans. The model: 4 layers of width 256
+// (units above the default persistence threshold of 1e5 elements), tiny batches so that
+// parameters, not activations, dominate.
+TEST(DiskOffload, FsdpTrainParamsOnDiskUnderBudget) {
+  const std::string nvme = own_dir("cli");
+  const std::string work = own_dir("cli-work");
+  const std::vector<std::string> common = {
+      "--model", "custom", "--nlayers", "4", "--ninp", "256", "--nhead", "4", "--nhid", "1024",
+      "--vocab-size", "1024", "--batch-size", "1", "--block-size", "8", "--devices", "2",
+      "--backend", "gloo", "--strategy", "deepspeed_stage_3", "--data", "synthetic",
+      "--dropout", "0", "--seed", "7", "--max-steps", "10", "--no-progress-bar"};
+  auto with = common;
+  for (const char* f : {"--offload-optimizer-device", "nvme", "--offload-params-device", "nvme",
+                        "--nvme-path", nvme.c_str(), "--sub-group-size", "16384",
+                        "--params-buffer-count", "2", "--max-in-cpu", "0"}) {
+    with.emplace_back(f);
+  }
+  auto train = [&](const std::vector<std::string>& flags, const std::string& tag,
+                   const std::map<std::string, std::string>& env,
+                   fsdp::testing::ProcResult* result) {
+    std::vector<std::string> argv = {fsdp::testing::bin_path("fsdp-train"), "--default-root-dir",
+                                     work + "/logs-" + tag, "--summary-json",
+                                     work + "/" + tag + ".json"};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    *result = fsdp::testing::run_process(argv, env);
+    nlohmann::json j = nlohmann::json::object();
+    std::ifstream f(work + "/" + tag + ".json");
+    if (result->exit_code == 0 && f.good()) j = nlohmann::json::parse(f);
+    return j;
+  };
+  fsdp::testing::ProcResult r;
+  auto ram = train(common, "ram", {}, &r);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto disk = train(with, "disk", {}, &r);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find("parameters on disk (offload_param device nvme)"), std::string::npos)
+      << r.err;
+  ASSERT_TRUE(ram.contains("losses") && disk.contains("losses")) << ram << disk;
+  const auto& a = ram["losses"];
+  const auto& b = disk["losses"];
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_NEAR(b[i].get<double>(), a[i].get<double>(), 1e-5 * std::abs(a[i].get<double>()))
+        << "step " << i;
+  }
+  EXPECT_TRUE(fs::is_empty(nvme)) << "swap files left under " << nvme;
+  ASSERT_TRUE(disk.contains("disk_wait_seconds")) << disk;
+  const double state_mb = 16.0 * disk["params"].get<double>() / 2 / 1048576.0;
+  double disk_peak = 0;
+  for (const char* key : {"setup_peak_alloc_mb", "peak_alloc_mb"}) {
+    for (size_t k = 0; k < 2; ++k) disk_peak = std::max(disk_peak, disk[key][k].get<double>());
+  }
+  const double budget_mb = disk_peak * 1.1;
+  std::cerr << "model state per rank in RAM " << state_mb << " MB; tracked peak: RAM "
+            << ram["peak_alloc_mb"][0].get<double>() << " MB, disk " << disk_peak
+            << " MB; budget " << budget_mb << " MB\n";
+  ASSERT_LT(budget_mb, state_mb) << "the budget would not be smaller than the model state";
+  const std::map<std::string, std::string> env = {
+      {"FSDP_MEMORY_BUDGET", std::to_string(static_cast<int64_t>(budget_mb * 1024 * 1024))}};
+  auto under = train(with, "under", env, &r);
+  ASSERT_EQ(r.exit_code, 0) << "budget " << budget_mb << " MB\n" << r.err;
+  for (size_t k = 0; k < 2; ++k) {
+    EXPECT_LT(under["peak_alloc_mb"][k].get<double>(), budget_mb) << "rank " << k;
+  }
+  train(common, "over", env, &r);
+  EXPECT_NE(r.exit_code, 0) << "stage 3 in RAM fit the budget " << budget_mb << " MB";
+  EXPECT_NE(r.err.find("budget"), std::string::npos) << r.err;
+  EXPECT_TRUE(fs::is_empty(nvme)) << "swap files left under " << nvme;
+
+  const auto dry = fsdp::testing::run_process(
+      {fsdp::testing::bin_path("fsdp-train"), "--model", "transformer-small", "--devices", "2",
+       "--strategy", "deepspeed_stage_3", "--dry-run", "--offload-optimizer-device", "nvme",
+       "--offload-params-device", "nvme", "--nvme-path", nvme});
+  EXPECT_EQ(dry.exit_code, 0) << dry.out << dry.err;
+  EXPECT_NE(dry.out.find("parameters on disk (offload_param nvme), per rank"), std::string::npos)
+      << dry.out;
+  EXPECT_NE(dry.out.find("parameter buffer(s)"), std::string::npos) << dry.out;
+  // A wrong flag value: one sentence naming the flag.
+  const auto bad = fsdp::testing::run_process(
+      {fsdp::testing::bin_path("fsdp-train"), "--model", "transformer-tiny", "--devices", "2",
+       "--strategy", "deepspeed_stage_3", "--offload-params-device", "disk"});
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE((bad.out + bad.err).find("--offload-params-device"), std::string::npos)
+      << bad.out << bad.err;
+  if (!fsdp::testing::in_child_rank()) {
+    std::error_code ec;
+    fs::remove_all(work, ec);
+    fs::remove_all(nvme, ec);
+  }
+}
+
+// A parameter record changed on disk behind the swapper's back (one bit flipped) is detected at
+// its next read: an error naming the file, and the tier refuses to go on, on every rank.
+TEST(DiskOffload, ParamsOnDiskCorruptRecordIsDetected) {
+  const std::string root = own_dir("params-corrupt");
+  fsdp::testing::run_ranks(2, "gloo", [&](fsdp::ProcessGroup& pg) {
+    ::setenv("FSDP_JOB_ID", "job-corrupt", 1);
+    DiskRun run(params_nvme_options(root));
+    run.train(1);
+    run.strategy->flush_disk_tier();
+    const auto files = run.strategy->param_swap_files();
+    ASSERT_FALSE(files.empty());
+    for (const auto& f : files) {  // every record: whichever unit is read first finds it
+      std::fstream io(f, std::ios::in | std::ios::out | std::ios::binary);
+      io.seekg(4096 + 40);
+      char c = 0;
+      io.read(&c, 1);
+      c ^= 0x04;
+      io.seekp(4096 + 40);
+      io.write(&c, 1);
+    }
+    pg.barrier();
+    try {
+      run.train(1);
+      ADD_FAILURE() << "a corrupted parameter record was used";
+    } catch (const c10::Error& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("data checksum"), std::string::npos) << msg;
+      EXPECT_NE(msg.find(root + "/job-corrupt/rank" + std::to_string(pg.rank()) + "/params.unit"),
+                std::string::npos) << msg;
+    }
+    try {
+      run.train(1);
+      ADD_FAILURE() << "training went on after a corrupted parameter record";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("stopped after an error"), std::string::npos)
+          << e.what();
+    }
+  });
+  if (!fsdp::testing::in_child_rank()) {
+    std::error_code ec;
+    fs::remove_all(root, ec);
+  }
 }

@@ -319,6 +319,10 @@ TEST(Models, RegistryNamesAndErrors) {
   EXPECT_EQ(fsdp::demos::transformer_preset("transformer-tiny", 77).vocab_size, 77);
   EXPECT_EQ(fsdp::demos::transformer_preset("transformer-small").vocab_size, 33278);
   EXPECT_EQ(fsdp::demos::transformer_preset("transformer-1b", 18328).vocab_size, 33278);
+  // The disk tier's demo: >= 3e9 parameters, 16 bytes each with fp32 Adam (>= 48 GB).
+  EXPECT_NE(std::find(names.begin(), names.end(), "transformer-3b"), names.end());
+  EXPECT_GE(fsdp::demos::model_parameter_count("transformer-3b"), 3000000000);
+  EXPECT_EQ(fsdp::demos::transformer_preset("transformer-3b", 1024).vocab_size, 33278);
   const std::string too_big = error_of([] { fsdp::demos::transformer_preset("transformer-1b", 40000); });
   EXPECT_NE(too_big.find("33278"), std::string::npos) << too_big;
   EXPECT_THROW(fsdp::demos::gpt_preset("transformer-tiny"), c10::Error);

@@ -37,6 +37,7 @@
 namespace fsdp {
 
 class FSDPStrategy;
+struct FSDPOptions;
 
 // Lightning's DeepSpeedStrategy arguments, same names and defaults (facts: Lightning's
 // strategies/deepspeed.py). Bucket sizes count elements, as in DeepSpeed.
@@ -45,21 +46,24 @@ struct DeepSpeedOptions {
   int stage = 2;                  // 1 | 2 | 3
   // "cpu" places parameters and optimizer state in host memory (where they already are on a
   // CPU device); "nvme" is the disk tier (fsdp/offload.h, README "Disk tier (NVMe offload)"):
-  // offload_optimizer_device = "nvme" streams Adam's moments from swap files under nvme_path.
-  // Parameters on disk (offload_params_device = "nvme", or remote_device = "nvme") are not
-  // implemented yet: an error.
+  // offload_optimizer_device = "nvme" streams Adam's moments from swap files under nvme_path;
+  // offload_params_device = "nvme" (or remote_device = "nvme"; stage 3, with the optimizer on
+  // nvme too) keeps each unit's shard of the parameters in a swap file, read before its
+  // all-gather and streamed through the optimizer step.
   std::string remote_device;
   bool offload_optimizer = false;   // optimizer state and step in host memory (stages 1-3)
   bool offload_parameters = false;  // parameters in host memory (stage 3 only)
-  std::string offload_params_device = "cpu";     // "cpu" | "nvme" (not implemented yet)
+  std::string offload_params_device = "cpu";     // "cpu" | "nvme"
   std::string offload_optimizer_device = "cpu";  // "cpu" | "nvme"
   std::string nvme_path = "/local_nvme";         // swap files go to nvme_path/<job>/rank<r>/
   // The disk tier's I/O: DeepSpeed's "aio" block.
   AioOptions aio;
   // DeepSpeed's offload buffers (Lightning's defaults). offload_optimizer: the disk tier always
   // streams through three buffers of one sub-group each (read, step, write), so
-  // optimizer_buffer_count is reported, not used. offload_param's buffer_count / buffer_size /
-  // max_in_cpu belong to parameters on disk (not implemented yet).
+  // optimizer_buffer_count is reported, not used. offload_param's (parameters on disk):
+  // buffer_count buffers of at most buffer_size elements read units ahead and write them back
+  // (a unit's shard larger than buffer_size is refused at setup); the first units, up to
+  // max_in_cpu elements, stay in RAM.
   int64_t optimizer_buffer_count = 4;
   int64_t params_buffer_count = 5;
   double params_buffer_size = 1e8;
@@ -150,6 +154,10 @@ class DeepSpeedStrategy : public Strategy {
   // gradient_accumulation_steps into the Trainer's options; a different non-default value
   // there is an error naming both.
   void configure_trainer(TrainerOptions& options) const override;
+  // Stage 3 with stage3_param_persistence_threshold 0 at 2+ ranks: the engine shards each unit
+  // while configure_model builds it (deferred init: no rank holds the whole model).
+  void enter_configure_model() override;
+  void exit_configure_model() override;
   void setup_module(LightningModule& module) override;
   // The config's optimizer (and scheduler) over the set-up module's parameters, replacing the
   // module's own (Lightning: a config optimizer wins).
@@ -175,6 +183,10 @@ class DeepSpeedStrategy : public Strategy {
   // The disk tier (offload_optimizer_device "nvme"), after setup_optimizer: this rank's plan
   // (null without the disk tier) and its swap files.
   const DiskPlan* disk_plan() const;
+  // Parameters on disk (offload_param nvme), after setup_module: the plan (null without) and
+  // their swap files (one per unit on disk). swap_files() lists both tiers' files.
+  const ParamDiskPlan* param_disk_plan() const;
+  std::vector<std::string> param_swap_files() const;
   std::vector<std::string> swap_files() const;
   // Waits for the disk tier's writes still in flight (a step's last writes overlap the next
   // forward): the swap files then hold the last step. A no-op without the disk tier.
@@ -189,6 +201,10 @@ class DeepSpeedStrategy : public Strategy {
  private:
   void setup_activation_partitioning(LightningModule& module);
   std::string disk_job_name();
+  std::string make_disk_job_name();
+  void setup_params_on_disk();
+  FSDPOptions stage3_engine_options(bool deferred) const;
+  void make_stage3_engine(const FSDPOptions& options);
   void setup_disk_tier(torch::optim::Optimizer& optimizer);
 
   struct Impl;
@@ -200,7 +216,7 @@ class DeepSpeedStrategy : public Strategy {
 
 // Lightning's registry names: "deepspeed" (stage 2), "deepspeed_stage_1", "deepspeed_stage_2",
 // "deepspeed_stage_2_offload", "deepspeed_stage_3", "deepspeed_stage_3_offload",
-// "deepspeed_stage_3_offload_nvme" (an error until parameters on disk land: it offloads both).
+// "deepspeed_stage_3_offload_nvme" (parameters and optimizer state on disk: set nvme_path).
 std::vector<std::string> deepspeed_strategy_names();
 std::shared_ptr<DeepSpeedStrategy> make_deepspeed_strategy(const std::string& name,
                                                            DeepSpeedOptions options = {});

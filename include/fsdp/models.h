@@ -236,12 +236,13 @@ int64_t parameter_count(const GPTOptions& options);
 //   transformer-tiny   vocab 128*,  ninp 32,  nhead 2,  nhid 64,   nlayers 2   (tests)
 //   transformer-small  vocab 33278*, ninp 512, nhead 8,  nhid 2048, nlayers 4
 //   transformer-1b     vocab 33278, ninp 1024, nhead 64, nhid 4096, nlayers 32  (~1.0e9 params)
+//   transformer-3b     vocab 33278, ninp 2048, nhead 16, nhid 8192, nlayers 25  (~3.1e9 params)
 //   gpt2-tiny          vocab 128*,  block 64,  n_layer 2,  n_head 2,  n_embd 32 (tests)
 //   gpt2-mini          vocab 128*,  block 128, n_layer 4,  n_head 4,  n_embd 256 (make demo)
 //   gpt2-124m          vocab 50257, block 1024, n_layer 12, n_head 12, n_embd 768 (~124M, tied)
 //
 // (*) vocab_size > 0 replaces the preset's vocabulary (pass the dataset's). The large presets
-// (transformer-1b, gpt2-124m) keep their published vocabulary so that their size is what the name
+// (transformer-1b, transformer-3b, gpt2-124m) keep their published vocabulary so that their size is what the name
 // says; a dataset vocabulary larger than theirs is an error.
 
 std::vector<std::string> model_names();

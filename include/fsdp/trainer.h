@@ -154,6 +154,9 @@ struct FitResults {
   std::vector<double> backward_seconds;
   std::vector<double> optimizer_seconds;
   std::vector<double> comm_seconds;
+  // Per optimizer step, on this rank: seconds blocked waiting for the disk tier's reads and
+  // writes (fsdp::disk_wait_seconds; part of the forward, backward or optimizer time).
+  std::vector<double> disk_wait_seconds;
   int64_t params = 0;              // parameter elements of the model after configure_model
   int64_t trainable_params = 0;
   // Per rank, during training: the peaks are reset once setup (configure_model, sharding,

@@ -9,7 +9,7 @@ namespace {
 
 const std::vector<std::string>& names() {
   static const std::vector<std::string> kNames = {"transformer-tiny", "transformer-small",
-                                                  "transformer-1b", "gpt2-tiny", "gpt2-mini",
+                                                  "transformer-1b", "transformer-3b", "gpt2-tiny", "gpt2-mini",
                                                   "gpt2-124m"};
   return kNames;
 }
@@ -52,6 +52,9 @@ TransformerOptions transformer_preset(const std::string& name, int64_t vocab_siz
   } else if (name == "transformer-1b") {
     o.vocab_size = fixed_vocab(name, 33278, vocab_size);
     o.ninp = 1024, o.nhead = 64, o.nhid = 4096, o.nlayers = 32;
+  } else if (name == "transformer-3b") {  // the disk tier's demo: 48 GB of fp32 Adam state
+    o.vocab_size = fixed_vocab(name, 33278, vocab_size);
+    o.ninp = 2048, o.nhead = 16, o.nhid = 8192, o.nlayers = 25;
   } else {
     is_transformer_model(name);  // throws for an unknown name, listing the valid ones
     TORCH_CHECK(false, "[fsdp::demos] '", name,

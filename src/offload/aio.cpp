@@ -6,6 +6,7 @@
 #include <liburing.h>
 
 #include <atomic>
+#include <chrono>
 #include <cerrno>
 #include <cstring>
 #include <deque>
@@ -208,11 +209,27 @@ AioTicket AioEngine::read(int fd, void* buf, int64_t bytes, int64_t offset,
   return submit(false, fd, buf, bytes, offset, path);
 }
 
+namespace {
+// fsdp::disk_wait_seconds: nanoseconds callers spent blocked in AioEngine::wait.
+std::atomic<int64_t> g_disk_wait_ns{0};
+}  // namespace
+
 void AioEngine::wait(const AioTicket& t) {
   if (!t) return;
   std::unique_lock<std::mutex> lock(t->mu);
-  t->cv.wait(lock, [&] { return t->pending == 0; });
+  if (t->pending != 0) {
+    const auto t0 = std::chrono::steady_clock::now();
+    t->cv.wait(lock, [&] { return t->pending == 0; });
+    g_disk_wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                          std::chrono::steady_clock::now() - t0).count();
+  }
   TORCH_CHECK(t->error.empty(), t->error);
+}
+
+bool AioEngine::done(const AioTicket& t) {
+  if (!t) return true;
+  std::lock_guard<std::mutex> lock(t->mu);
+  return t->pending == 0;
 }
 
 AlignedBuffer::AlignedBuffer(int64_t bytes) : bytes_(bytes) {
@@ -222,3 +239,7 @@ AlignedBuffer::AlignedBuffer(int64_t bytes) : bytes_(bytes) {
 }
 
 }  // namespace fsdp::detail
+
+namespace fsdp {
+double disk_wait_seconds() { return static_cast<double>(detail::g_disk_wait_ns.load()) * 1e-9; }
+}  // namespace fsdp

@@ -50,6 +50,9 @@ class AioEngine {
   AioTicket read(int fd, void* buf, int64_t bytes, int64_t offset, const std::string& path);
   // Blocks until the transfer completed; throws its error (path, offset, bytes, errno text).
   static void wait(const AioTicket& ticket);
+  // True when the transfer has completed (or there is none); never blocks. wait() then
+  // returns at once (and throws its error, if any).
+  static bool done(const AioTicket& ticket);
 
   const AioOptions& options() const { return options_; }
   // Bytes moved since construction (completed pieces), for the benchmark.

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 
 namespace fsdp::detail {
 
@@ -241,12 +242,47 @@ void NvmeAdam::step(torch::optim::Optimizer& optimizer) {
   const int64_t G = plan_.num_sub_groups;
   const int64_t nb = static_cast<int64_t>(buffers_.size());
   if (G == 0) return;
+  // Parameters on disk: each parameter with a gradient is acquired before the first sub-group
+  // that touches it and released (modified: written back) after its last. See Note
+  // [Parameters on disk] in docs/design.md.
+  std::vector<char> held(residency_ ? slots_.size() : 0, 0);
+  auto slots_of = [&](int64_t g, const std::function<void(size_t)>& f) {
+    const int64_t lo = g * plan_.sub_group_numel;
+    const int64_t hi = std::min(plan_.state_numel, lo + plan_.sub_group_numel);
+    auto it = std::upper_bound(slots_.begin(), slots_.end(), lo,
+                               [](int64_t x, const Slot& s) { return x < s.begin; });
+    size_t i = it == slots_.begin() ? 0 : static_cast<size_t>(it - slots_.begin()) - 1;
+    for (; i < slots_.size() && slots_[i].begin < hi; ++i) {
+      if (slots_[i].begin + slots_[i].param.numel() > lo) f(i);
+    }
+  };
+  auto acquire = [&](int64_t g) {
+    if (!residency_) return;
+    slots_of(g, [&](size_t i) {
+      const Slot& s = slots_[i];
+      if (held[i] || !s.param.grad().defined() || !residency_->manages(s.param)) return;
+      residency_->acquire(s.param);
+      held[i] = 1;
+    });
+  };
+  auto release = [&](int64_t g) {
+    if (!residency_) return;
+    const int64_t hi = std::min(plan_.state_numel, (g + 1) * plan_.sub_group_numel);
+    slots_of(g, [&](size_t i) {
+      const Slot& s = slots_[i];
+      if (!held[i] || s.begin + s.param.numel() > hi) return;
+      residency_->release(s.param, /*modified=*/true);
+      held[i] = 0;
+    });
+  };
   try {
     // Note [Disk tier swapper]: read g+1 and write g-1 while g steps.
     load(0, buffers_[0]);
     for (int64_t g = 0; g < G; ++g) {
       if (g + 1 < G) load(g + 1, buffers_[(g + 1) % nb]);
+      acquire(g);
       step_sub_group(g, buffers_[g % nb]);
+      release(g);
     }
   } catch (const std::exception& e) {
     failed_ = e.what();

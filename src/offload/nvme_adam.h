@@ -11,6 +11,7 @@
 #include "fsdp/offload.h"
 #include "fsdp/strategy.h"
 #include "offload/aio.h"
+#include "offload/param_residency.h"
 #include "offload/swap_file.h"
 #include "optim/cpu_adam_spans.h"
 
@@ -58,6 +59,10 @@ class NvmeAdam : public StreamedOptimizerState {
   // Waits for every write in flight (the swap files then hold the last step); throws the
   // first failure, after which the tier refuses to go on.
   void flush();
+  // Parameters on disk (offload_param nvme): the step acquires each parameter it updates from
+  // `residency` before its first sub-group and releases it (modified) after its last, so the
+  // parameters stream through the step with their moments. Null: parameters in RAM.
+  void set_residency(ParamResidency* residency) { residency_ = residency; }
 
   const DiskPlan& plan() const { return plan_; }
   const std::vector<std::string>& files() const { return dir_->files(); }
@@ -99,6 +104,7 @@ class NvmeAdam : public StreamedOptimizerState {
   std::unique_ptr<SwapDir> dir_;
   std::unique_ptr<AioEngine> engine_;
   std::string failed_;  // the first I/O or integrity error
+  ParamResidency* residency_ = nullptr;
 };
 
 }  // namespace fsdp::detail

@@ -66,7 +66,8 @@ DeferredInit::DeferredInit(const FSDPStrategy* strategy, FsdpState* state, AutoW
     : strategy_(strategy), state_(state), policy_(std::move(policy)) {}
 
 bool DeferredInit::active() const {
-  return static_cast<const Strategy*>(strategy_) == fsdp::active_strategy();
+  const Strategy* running = fsdp::active_strategy();
+  return static_cast<const Strategy*>(strategy_) == running || (outer_ && outer_ == running);
 }
 
 void DeferredInit::on_built(torch::nn::Module& module) {
@@ -242,6 +243,7 @@ void begin_deferred_init(FSDPStrategy& strategy) {
                                                     strategy.world(), nullptr);
   impl.deferred = std::make_unique<DeferredInit>(&strategy, impl.deferred_state.get(),
                                                  strategy.options().auto_wrap_policy);
+  impl.deferred->set_outer(impl.outer);
   fsdp::nn::set_init_observer(impl.deferred.get());
 }
 

@@ -31,8 +31,13 @@ class DeferredInit : public fsdp::nn::InitObserver {
   // fsdp::wrap(module): shards `module` as a unit.
   void on_wrap(fsdp::nn::Module& module);
 
+ // A strategy that runs `strategy` as its engine (DeepSpeedStrategy's stage 3): its
+  // configure_model counts as ours.
+  void set_outer(const Strategy* outer) { outer_ = outer; }
+
  private:
   bool active() const;  // our strategy's configure_model is the one running
+  const Strategy* outer_ = nullptr;
 
   const FSDPStrategy* strategy_;
   FsdpState* state_;

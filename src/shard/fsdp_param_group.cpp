@@ -123,7 +123,23 @@ void FsdpParamGroup::issue_all_gather() {
                         "all-gather issued for unit '", name_, "' in state ",
                         to_string(sharded_state_));
   if (aliased_ || params_.empty()) return;  // nothing to gather
-  pending_ag_ = all_gather(params_, layout_, *config_.shard_group, compute_dtype_);
+  if (!residency_) {
+    pending_ag_ = all_gather(params_, layout_, *config_.shard_group, compute_dtype_);
+    return;
+  }
+  // Parameters on disk: the shards are in RAM from here until the copy-in is done (the
+  // all-gather input holds them then). See Note [Parameters on disk] in docs/design.md.
+  for (auto& p : params_) residency_->acquire(p->sharded());
+  auto release = [&] {
+    for (auto& p : params_) residency_->release(p->sharded(), /*modified=*/false);
+  };
+  try {
+    pending_ag_ = all_gather(params_, layout_, *config_.shard_group, compute_dtype_);
+  } catch (...) {
+    release();
+    throw;
+  }
+  release();
 }
 
 void FsdpParamGroup::unshard() {

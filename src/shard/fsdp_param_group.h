@@ -11,6 +11,7 @@
 #include "fsdp/precision.h"
 #include "shard/collectives.h"
 #include "shard/fsdp_param.h"
+#include "offload/param_residency.h"
 
 #include <ATen/ATen.h>
 
@@ -117,6 +118,10 @@ class FsdpParamGroup {
   // Validated transition, see ShardedState.
   void transition(ShardedState next);
 
+  // Where the sharded parameters live between all-gathers (parameters on disk); null: in RAM.
+  // See Note [Parameters on disk] in docs/design.md.
+  void set_residency(ParamResidency* residency) { residency_ = residency; }
+
  private:
   std::string name_;
   fsdp::nn::Module* module_;
@@ -129,6 +134,7 @@ class FsdpParamGroup {
   at::ScalarType compute_dtype_ = at::kFloat;  // all-gather dtype = P's dtype
   at::ScalarType reduce_dtype_ = at::kFloat;   // reduce-scatter dtype
 
+  ParamResidency* residency_ = nullptr;
   ShardedState sharded_state_ = ShardedState::kSharded;
   TrainingState training_state_ = TrainingState::kIdle;
   AllGather pending_ag_;

@@ -135,7 +135,9 @@ void FSDPStrategy::setup_module(LightningModule& module) {
   // Refuse a configuration that cannot fit before anything is allocated for it.
   const int64_t budget = memory_budget();
   if (budget > 0) {
-    const FSDPMemoryEstimate need = memory_estimate();
+    FSDPMemoryEstimate need = memory_estimate();
+    if (impl_->optimizer_on_disk) need.optimizer_bytes = 0;   // See Note [Disk tier swapper]
+    if (impl_->params_on_disk) need.sharded_param_bytes = 0;  // See Note [Parameters on disk]
     if (need.total_bytes() > budget) {
       std::ostringstream os;
       os << "[FSDPStrategy] " << to_string(options_.sharding_strategy) << " needs "

@@ -21,6 +21,15 @@ struct FSDPStrategy::Impl {
   std::unique_ptr<detail::FsdpState> deferred_state;
   std::unique_ptr<detail::DeferredInit> deferred;
   int num_deferred_units = 0;
+
+  // The disk tier (DeepSpeedStrategy, stage 3): the Adam state, or the sharded parameters,
+  // live on disk; the budget check at setup leaves them out (the disk tier checks its own
+  // buffers against the budget).
+  bool optimizer_on_disk = false;
+  bool params_on_disk = false;
+  // The strategy running this engine (DeepSpeedStrategy, stage 3): fsdp::active_strategy()
+  // while its configure_model runs, so deferred init shards for it.
+  const Strategy* outer = nullptr;
 };
 
 namespace detail {

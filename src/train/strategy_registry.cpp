@@ -55,7 +55,7 @@ const std::vector<RegistryEntry>& registry() {
        [] { return make_deepspeed_strategy("deepspeed_stage_3"); }},
       {"deepspeed_stage_3_offload", "ZeRO 3, parameters and optimizer state in host memory",
        [] { return make_deepspeed_strategy("deepspeed_stage_3_offload"); }},
-      {"deepspeed_stage_3_offload_nvme", "ZeRO 3 with the disk tier (not implemented yet)",
+      {"deepspeed_stage_3_offload_nvme", "ZeRO 3, parameters and optimizer state on disk (nvme_path)",
        [] { return make_deepspeed_strategy("deepspeed_stage_3_offload_nvme"); }},
   };
   return entries;

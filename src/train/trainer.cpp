@@ -1,6 +1,7 @@
 // fsdp::Trainer: option checks, launch, and the fit / validate / test / predict loops.
 // The strategy is driven exactly in the order of the comment at the top of fsdp/strategy.h.
 #include "fsdp/trainer.h"
+#include "fsdp/offload.h"
 
 #include "comm/backend_choice.h"
 #include "common/text.h"
@@ -292,6 +293,7 @@ struct Trainer::FitLoop {
   double step_backward = 0;
   double step_optimizer = 0;
   double comm_mark = 0;
+  double disk_mark = 0;
   int64_t loss_count = 0;
   bool stop = false;
 };
@@ -312,6 +314,7 @@ void Trainer::fit_impl(LightningModule& module, DataLoader& train_loader,
 
   L.loop_start = Clock::now();
   L.comm_mark = comm_busy_seconds();
+  L.disk_mark = disk_wait_seconds();
   L.stop = L.total_steps >= 0 && global_step_ >= L.total_steps;
   for (int64_t epoch = L.start_epoch; !L.stop && (L.max_epochs < 0 || epoch < L.max_epochs);
        ++epoch) {
@@ -518,6 +521,9 @@ void Trainer::report_step(FitLoop& L) {
   results_.optimizer_seconds.push_back(L.step_optimizer);
   results_.comm_seconds.push_back(comm_now - L.comm_mark);
   L.comm_mark = comm_now;
+  const double disk_now = disk_wait_seconds();
+  results_.disk_wait_seconds.push_back(disk_now - L.disk_mark);
+  L.disk_mark = disk_now;
   L.step_forward = L.step_backward = L.step_optimizer = 0;
   for (const auto& kv : L.metrics.step_values()) callback_metrics_[kv.first] = kv.second;
   results_.steps = global_step_;

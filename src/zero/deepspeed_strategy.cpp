@@ -12,6 +12,8 @@
 #include "fsdp/memory.h"
 #include "fsdp/trainer.h"
 #include "offload/nvme_adam.h"
+#include "offload/param_swapper.h"
+#include "shard/fsdp_strategy_impl.h"
 #include "zero/partitioner.h"
 #include "zero/warmup_lr.h"
 
@@ -38,22 +40,26 @@ struct DeepSpeedStrategy::Impl {
   torch::nn::Module* module = nullptr;
   // The disk tier (offload_optimizer_device "nvme"): steps in place of optimizer.step().
   std::unique_ptr<detail::NvmeAdam> nvme;
+  // Parameters on disk (offload_param device "nvme", stage 3): the units' shards.
+  std::unique_ptr<detail::ParamSwapper> params_on_disk;
+  std::string job;  // nvme_path/<job>: decided once (a collective), shared by both tiers
 };
 
 namespace {
 
-void check_device(const std::string& what, const std::string& device, bool nvme_ok) {
+void check_device(const std::string& what, const std::string& device) {
   TORCH_CHECK(device == "cpu" || device == "nvme", "[deepspeed] ", what,
               " must be \"cpu\" or \"nvme\", got \"", device, "\"");
-  TORCH_CHECK(device != "nvme" || nvme_ok, "[deepspeed] ", what, " = \"nvme\": parameters on "
-              "disk (ZeRO-Infinity's offload_param to NVMe) are not implemented yet; the disk "
-              "tier holds optimizer state only. HINT: offload_optimizer=true with "
-              "offload_optimizer_device=\"nvme\" (JSON: zero_optimization.offload_optimizer."
-              "device \"nvme\") and parameters in RAM");
 }
 
 bool optimizer_on_disk(const DeepSpeedOptions& o) {
   return o.offload_optimizer && o.offload_optimizer_device == "nvme";
+}
+
+// ZeRO-Infinity's offload_param to NVMe: offload_parameters with offload_params_device "nvme",
+// or remote_device "nvme" (Lightning's deepspeed_stage_3_offload_nvme sets both).
+bool params_on_disk(const DeepSpeedOptions& o) {
+  return (o.offload_parameters && o.offload_params_device == "nvme") || o.remote_device == "nvme";
 }
 
 // Stages 1 and 2 keep every parameter whole, so a model can be too large for them where stage
@@ -102,12 +108,29 @@ void check_options(const DeepSpeedOptions& o) {
   TORCH_CHECK(o.stage >= 1 && o.stage <= 3, "[deepspeed] ZeRO stage ", o.stage,
               " is not available; stages 1, 2 and 3 are (stage 0 is plain data parallelism: "
               "use strategy 'ddp')");
-  if (!o.remote_device.empty()) check_device("remote_device", o.remote_device, false);
-  if (o.offload_optimizer) check_device("offload_optimizer_device", o.offload_optimizer_device, true);
-  if (o.offload_parameters) check_device("offload_params_device", o.offload_params_device, false);
-  TORCH_CHECK(!optimizer_on_disk(o) || !o.nvme_path.empty(), "[deepspeed] "
-              "offload_optimizer_device=\"nvme\" needs nvme_path (a directory on the disk for "
+  if (!o.remote_device.empty()) check_device("remote_device", o.remote_device);
+  if (o.offload_optimizer) check_device("offload_optimizer_device", o.offload_optimizer_device);
+  if (o.offload_parameters) check_device("offload_params_device", o.offload_params_device);
+  TORCH_CHECK(!(optimizer_on_disk(o) || params_on_disk(o)) || !o.nvme_path.empty(),
+              "[deepspeed] offload to \"nvme\" needs nvme_path (a directory on the disk for "
               "the swap files)");
+  if (params_on_disk(o)) {
+    TORCH_CHECK(o.stage == 3, "[deepspeed] parameters on disk (offload_params_device / "
+                "remote_device \"nvme\") need stage 3 (only partitioned parameters are "
+                "offloaded, as in DeepSpeed); got stage ", o.stage);
+    TORCH_CHECK(optimizer_on_disk(o), "[deepspeed] parameters on disk (offload_params_device / "
+                "remote_device \"nvme\") need the optimizer state on disk too, as DeepSpeed "
+                "requires: the step streams each unit's parameters with its moments. HINT: "
+                "offload_optimizer=true with offload_optimizer_device=\"nvme\" (JSON: "
+                "zero_optimization.offload_optimizer.device \"nvme\"; fsdp-train "
+                "--offload-optimizer-device nvme), or strategy 'deepspeed_stage_3_offload_nvme'");
+    TORCH_CHECK(o.params_buffer_count >= 1, "[deepspeed] offload_param buffer_count must be >= 1, "
+                "got ", o.params_buffer_count);
+    TORCH_CHECK(o.params_buffer_size >= 1, "[deepspeed] offload_param buffer_size must be >= 1 "
+                "element, got ", o.params_buffer_size);
+    TORCH_CHECK(o.max_in_cpu >= 0, "[deepspeed] offload_param max_in_cpu must be >= 0 "
+                "elements, got ", o.max_in_cpu);
+  }
   TORCH_CHECK(o.sub_group_size >= 1, "[deepspeed] sub_group_size must be >= 1 element, got ",
               o.sub_group_size);
   TORCH_CHECK(!o.offload_parameters || o.stage == 3, "[deepspeed] offload_parameters needs "
@@ -210,13 +233,14 @@ void DeepSpeedStrategy::setup_module(LightningModule& module) {
     TORCH_CHECK(all_cpu, "[deepspeed] offload from an accelerator to host memory is not "
                 "implemented yet (parameters are on ", params.front().second.device(), ")");
     const bool to_cpu_opt = options_.offload_optimizer && !optimizer_on_disk(options_);
-    if (rank() == 0 && (to_cpu_opt || options_.offload_parameters)) {
+    const bool to_cpu_params = options_.offload_parameters && !params_on_disk(options_);
+    if (rank() == 0 && (to_cpu_opt || to_cpu_params)) {
       std::fprintf(stderr, "[deepspeed] %s%s%s: the compute device is the CPU, so this state "
                    "already lives in host memory and the step already runs there; nothing is "
                    "moved\n",
                    to_cpu_opt ? "offload_optimizer" : "",
-                   to_cpu_opt && options_.offload_parameters ? " + " : "",
-                   options_.offload_parameters ? "offload_parameters" : "");
+                   to_cpu_opt && to_cpu_params ? " + " : "",
+                   to_cpu_params ? "offload_parameters" : "");
     }
     if (rank() == 0 && optimizer_on_disk(options_) && options_.pin_memory) {
       std::fprintf(stderr, "[deepspeed] pin_memory: there is no accelerator to copy to, so "
@@ -254,21 +278,15 @@ void DeepSpeedStrategy::setup_module(LightningModule& module) {
     return;
   }
 
-  // Stage 3: persistent parameters stay whole; every module with parameters is a unit.
-  FSDPOptions fo;
-  fo.sharding_strategy = ShardingStrategy::kFullShard;
-  fo.deferred_init = false;
-  fo.sync_module_states = true;
-  // ZeRO-3's prefetch window and live-parameter bound (Note [Prefetch window]); a bucket of 0
-  // turns prefetching off, as in DeepSpeed.
-  fo.forward_prefetch = options_.stage3_prefetch_bucket_size > 0;
-  fo.backward_prefetch = options_.stage3_prefetch_bucket_size > 0 ? BackwardPrefetch::kPre
-                                                                   : BackwardPrefetch::kNone;
-  fo.prefetch_bucket_numel = options_.stage3_prefetch_bucket_size;
-  fo.max_live_numel = options_.stage3_max_live_parameters;
-  fo.auto_wrap_policy =
-      AutoWrapPolicy::of_predicate([](const torch::nn::Module&, int64_t n) { return n > 0; });
+  // Stage 3: persistent parameters stay whole; every module with parameters is a unit. With a
+  // persistence threshold of 0 the engine was made in enter_configure_model (deferred init).
   std::vector<std::pair<std::string, at::Tensor>> persistent_trainable;
+  if (impl_->fsdp) {
+    impl_->fsdp->setup_module(module);
+    if (params_on_disk(options_)) setup_params_on_disk();
+    return;
+  }
+  FSDPOptions fo = stage3_engine_options(/*deferred=*/false);
   for (auto& np : params) {
     if (np.second.numel() <= options_.stage3_param_persistence_threshold) {
       impl_->persistent.push_back(np);
@@ -280,15 +298,88 @@ void DeepSpeedStrategy::setup_module(LightningModule& module) {
     at::NoGradGuard no_grad;
     for (auto& [name, p] : impl_->persistent) world_->broadcast(p.detach(), 0);
   }
-  auto fsdp = std::make_shared<FSDPStrategy>(fo);
-  fsdp->set_name(name_);
-  fsdp->connect(world_, launch_);
-  impl_->fsdp = fsdp;
-  fsdp->setup_module(module);
+  make_stage3_engine(fo);
+  impl_->fsdp->setup_module(module);
   if (!persistent_trainable.empty()) {
     impl_->zero =
         std::make_unique<detail::ZeroPartitioner>(world_, std::move(persistent_trainable), zo);
   }
+  if (params_on_disk(options_)) setup_params_on_disk();
+}
+
+// Note [Parameters on disk] in docs/design.md: every unit's shard becomes one swap record; the
+// engine's all-gathers and the disk tier's optimizer step acquire them.
+void DeepSpeedStrategy::setup_params_on_disk() {
+  detail::FsdpState& state = detail::state_of(*impl_->fsdp);
+  TORCH_CHECK(state.shard_group()->size() > 1, "[deepspeed] parameters on disk (offload_param "
+              "\"nvme\") need at least 2 ranks: with one rank stage 3 does not shard, so there "
+              "is no all-gather to read the parameters for. HINT: --devices 2 or more, or keep "
+              "the parameters in RAM (offload_params_device \"cpu\") with the optimizer state "
+              "on disk");
+  std::vector<detail::ParamSwapper::UnitParams> units;
+  for (auto& unit : state.units()) {
+    detail::ParamSwapper::UnitParams up;
+    up.name = unit->name();
+    for (auto& p : unit->params()) up.params.push_back(p->sharded());
+    units.push_back(std::move(up));
+  }
+  detail::ParamSwapper::Options o;
+  o.nvme_path = options_.nvme_path;
+  o.job = disk_job_name();
+  o.rank = rank();
+  o.ranks_sharing_disk = std::max(1, launch_.local_world_size);
+  o.buffer_count = options_.params_buffer_count;
+  o.buffer_size = static_cast<int64_t>(options_.params_buffer_size);
+  o.max_in_cpu = static_cast<int64_t>(options_.max_in_cpu);
+  o.aio = options_.aio;
+  impl_->params_on_disk = std::make_unique<detail::ParamSwapper>(std::move(units), o);
+  for (auto& unit : state.units()) unit->set_residency(impl_->params_on_disk.get());
+  std::fprintf(stderr, "[deepspeed] rank %d: parameters on disk (offload_param device nvme):\n%s",
+               rank(), impl_->params_on_disk->plan().describe().c_str());
+}
+
+// The stage-3 engine's options: FULL_SHARD, a unit per module with parameters, ZeRO-3's
+// prefetch window and live-parameter bound (Note [Prefetch window]; a bucket of 0 turns
+// prefetching off, as in DeepSpeed). Eager setup broadcasts rank 0's values; deferred init
+// (Note [Deferred initialization]) builds the same values on every rank from the seed.
+FSDPOptions DeepSpeedStrategy::stage3_engine_options(bool deferred) const {
+  FSDPOptions fo;
+  fo.sharding_strategy = ShardingStrategy::kFullShard;
+  fo.deferred_init = deferred;
+  fo.sync_module_states = !deferred;
+  fo.forward_prefetch = options_.stage3_prefetch_bucket_size > 0;
+  fo.backward_prefetch = options_.stage3_prefetch_bucket_size > 0 ? BackwardPrefetch::kPre
+                                                                   : BackwardPrefetch::kNone;
+  fo.prefetch_bucket_numel = options_.stage3_prefetch_bucket_size;
+  fo.max_live_numel = options_.stage3_max_live_parameters;
+  fo.auto_wrap_policy =
+      AutoWrapPolicy::of_predicate([](const torch::nn::Module&, int64_t n) { return n > 0; });
+  return fo;
+}
+
+void DeepSpeedStrategy::make_stage3_engine(const FSDPOptions& fo) {
+  auto fsdp = std::make_shared<FSDPStrategy>(fo);
+  fsdp->set_name(name_);
+  fsdp->connect(world_, launch_);
+  fsdp->impl().optimizer_on_disk = optimizer_on_disk(options_);
+  fsdp->impl().params_on_disk = params_on_disk(options_);
+  fsdp->impl().outer = this;
+  impl_->fsdp = fsdp;
+}
+
+// Stage 3 with stage3_param_persistence_threshold 0 (no parameter stays whole, so the engine
+// ignores none) shards each unit while configure_model builds it: no rank ever holds the whole
+// model (what a model larger than RAM needs, e.g. with parameters on disk).
+void DeepSpeedStrategy::enter_configure_model() {
+  if (options_.stage != 3 || options_.stage3_param_persistence_threshold != 0) return;
+  if (!world_) connect(world_group(), launch_);
+  if (!world_ || world_->size() < 2) return;
+  if (!impl_->fsdp) make_stage3_engine(stage3_engine_options(/*deferred=*/true));
+  impl_->fsdp->enter_configure_model();
+}
+
+void DeepSpeedStrategy::exit_configure_model() {
+  if (impl_->fsdp) impl_->fsdp->exit_configure_model();
 }
 
 void DeepSpeedStrategy::configure_trainer(TrainerOptions& o) const {
@@ -366,6 +457,12 @@ void DeepSpeedStrategy::setup_optimizer(torch::optim::Optimizer& optimizer) {
 // The job's name under nvme_path: FSDP_JOB_ID, else rank 0's pid and start time (broadcast, so
 // every rank of the job uses the same directory and concurrent jobs do not collide).
 std::string DeepSpeedStrategy::disk_job_name() {
+  if (!impl_->job.empty()) return impl_->job;
+  impl_->job = make_disk_job_name();
+  return impl_->job;
+}
+
+std::string DeepSpeedStrategy::make_disk_job_name() {
   if (const char* id = std::getenv("FSDP_JOB_ID"); id && *id) return id;
   at::Tensor t = at::tensor({static_cast<int64_t>(::getpid()),
                              static_cast<int64_t>(std::time(nullptr))}, at::kLong);
@@ -384,6 +481,7 @@ void DeepSpeedStrategy::setup_disk_tier(torch::optim::Optimizer& optimizer) {
   o.sub_group_size = static_cast<int64_t>(options_.sub_group_size);
   o.aio = options_.aio;
   impl_->nvme = std::make_unique<detail::NvmeAdam>(optimizer, o);
+  impl_->nvme->set_residency(impl_->params_on_disk.get());
   const DiskPlan& plan = impl_->nvme->plan();
   std::fprintf(stderr, "[deepspeed] rank %d: optimizer state on disk (offload_optimizer "
                "device nvme, aio block_size %lld, queue_depth %d):\n%s", rank(),
@@ -395,12 +493,26 @@ const DiskPlan* DeepSpeedStrategy::disk_plan() const {
   return impl_->nvme ? &impl_->nvme->plan() : nullptr;
 }
 
+const ParamDiskPlan* DeepSpeedStrategy::param_disk_plan() const {
+  return impl_->params_on_disk ? &impl_->params_on_disk->plan() : nullptr;
+}
+
 std::vector<std::string> DeepSpeedStrategy::swap_files() const {
-  return impl_->nvme ? impl_->nvme->files() : std::vector<std::string>{};
+  std::vector<std::string> out = impl_->nvme ? impl_->nvme->files() : std::vector<std::string>{};
+  if (impl_->params_on_disk) {
+    const auto& f = impl_->params_on_disk->files();
+    out.insert(out.end(), f.begin(), f.end());
+  }
+  return out;
+}
+
+std::vector<std::string> DeepSpeedStrategy::param_swap_files() const {
+  return impl_->params_on_disk ? impl_->params_on_disk->files() : std::vector<std::string>{};
 }
 
 void DeepSpeedStrategy::flush_disk_tier() {
   if (impl_->nvme) impl_->nvme->flush();
+  if (impl_->params_on_disk) impl_->params_on_disk->flush();
 }
 
 StreamedOptimizerState* DeepSpeedStrategy::streamed_optimizer_state() {
@@ -449,11 +561,16 @@ double DeepSpeedStrategy::clip_grad_norm(LightningModule& module, double max_nor
 }
 
 void DeepSpeedStrategy::optimizer_step(torch::optim::Optimizer& optimizer) {
+  if (impl_->params_on_disk && !impl_->nvme) {
+    TORCH_CHECK(false, "[deepspeed] parameters on disk need the disk tier's optimizer step: "
+                "setup_optimizer was not called with this strategy's optimizer");
+  }
   if (impl_->nvme) {
     impl_->nvme->step(optimizer);  // See Note [Disk tier swapper]
   } else {
     optimizer.step();
   }
+  if (impl_->params_on_disk) impl_->params_on_disk->end_step();
   if (impl_->zero) impl_->zero->all_gather_params();
 }
 
@@ -482,6 +599,12 @@ std::pair<int64_t, int64_t> DeepSpeedStrategy::parameter_counts(torch::nn::Modul
 
 LocalShards DeepSpeedStrategy::local_shards() {
   TORCH_CHECK(impl_->module, "[deepspeed] local_shards before setup_module");
+  // Every rank refuses here, before a checkpoint creates or reads anything.
+  TORCH_CHECK(!impl_->params_on_disk, "[deepspeed] rank ", rank(), ": checkpoints of a run "
+              "with parameters on disk (offload_param device \"nvme\") are not implemented yet; "
+              "nothing was saved or loaded. HINT: keep the parameters in RAM "
+              "(offload_params_device \"cpu\") with the optimizer state on disk: those runs "
+              "save and resume sharded checkpoints");
   LocalShards out;
   if (impl_->fsdp) {
     out = impl_->fsdp->local_shards();
@@ -503,7 +626,22 @@ std::vector<std::pair<std::string, at::Tensor>> DeepSpeedStrategy::gather_full_p
   TORCH_CHECK(impl_->module, "[deepspeed] gather_full_params before setup_module");
   std::vector<std::pair<std::string, at::Tensor>> out;
   if (impl_->fsdp) {
-    out = impl_->fsdp->gather_full_params();
+    if (impl_->params_on_disk) {
+      // Every shard in RAM for the gather (a tool for tests and export, not the step).
+      auto& swapper = *impl_->params_on_disk;
+      std::vector<at::Tensor> sharded;
+      for (auto* p : detail::state_of(*impl_->fsdp).all_params()) sharded.push_back(p->sharded());
+      for (auto& t : sharded) swapper.acquire(t);
+      try {
+        out = impl_->fsdp->gather_full_params();
+      } catch (...) {
+        for (auto& t : sharded) swapper.release(t, false);
+        throw;
+      }
+      for (auto& t : sharded) swapper.release(t, false);
+    } else {
+      out = impl_->fsdp->gather_full_params();
+    }
     for (auto& [n, p] : impl_->persistent) out.emplace_back(n, p.detach().clone());
     return out;
   }
