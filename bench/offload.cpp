@@ -18,6 +18,11 @@
 //               times, with the step's last writes waited for at its end ("wait") vs left in
 //               flight over the compute ("overlap", off by default): median step + forward
 //               time of each and their ratio ("speedup")
+//   stage3      with --stage3-model M (e.g. transformer-small): fsdp-train at world 2 on MPI,
+//               deepspeed_stage_3 in RAM vs optimizer state on disk vs parameters + optimizer
+//               state on disk (--stage3-steps steps, first excluded from it/s): it/s and its
+//               ratio to RAM, tracked peak and peak RSS per rank, seconds per step blocked on
+//               the disk, and the largest relative loss difference to the RAM run
 // Prints JSON on stdout and the load average at start and end (the numbers depend on it).
 #include "bench.h"
 #include "runs.h"
@@ -25,6 +30,8 @@
 #include "offload/aio.h"
 #include "offload/nvme_adam.h"
 #include "offload/swap_file.h"
+
+#include <filesystem>
 
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
@@ -36,6 +43,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <iostream>
 #include <string>
@@ -53,6 +61,10 @@ struct Options {
   fsdp::AioOptions aio;
   int steps = 3;
   double forward_ms = 150;  // compute standing in for the next forward (overlap part)
+  std::string stage3_model;  // "": no stage-3 part
+  int stage3_steps = 8;
+  int stage3_params_buffer_count = 5;  // offload_param.buffer_count (DeepSpeed's default 5)
+  bool only_stage3 = false;
 };
 
 double seconds_since(Clock::time_point t0) {
@@ -145,6 +157,70 @@ json overlap_last_writes(const Options& o, torch::optim::Optimizer& opt,
   return out;
 }
 
+// The stage-3 part: three fsdp-train runs of the same model and batches, one after the other.
+json stage3_comparison(const Options& o) {
+  namespace fs = std::filesystem;
+  fsdp::bench::TrainRun run;
+  run.model = o.stage3_model;
+  run.devices = 2;
+  run.steps = o.stage3_steps;
+  run.dropout = 0;
+  run.seed = 7;
+  run.dir = fs::path(o.dir) / "fsdp-bench-offload-stage3";
+  std::error_code ec;
+  fs::remove_all(run.dir, ec);
+  fs::create_directories(run.dir);
+  const std::string train = (fsdp::bench::self_dir() / "fsdp-train").string();
+  const std::string nvme = (run.dir / "nvme").string();
+  const std::string sub = std::to_string(o.sub_group_size);
+  const std::vector<std::pair<std::string, std::vector<std::string>>> configs = {
+      {"ram", {}},
+      {"optimizer_on_disk",
+       {"--offload-optimizer-device", "nvme", "--nvme-path", nvme, "--sub-group-size", sub}},
+      {"params_and_optimizer_on_disk",
+       {"--offload-optimizer-device", "nvme", "--nvme-path", nvme, "--sub-group-size", sub,
+        "--offload-params-device", "nvme", "--max-in-cpu", "0", "--params-buffer-count",
+        std::to_string(o.stage3_params_buffer_count)}}};
+  json out = {{"model", run.model}, {"world", run.devices}, {"backend", "mpi"},
+              {"steps", run.steps}, {"strategy", "deepspeed_stage_3"},
+              {"params_buffer_count", o.stage3_params_buffer_count}};
+  json ram;
+  for (const auto& [name, extra] : configs) {
+    std::vector<std::string> flags = {"--strategy", "deepspeed_stage_3", "--backend", "mpi"};
+    flags.insert(flags.end(), extra.begin(), extra.end());
+    json r = fsdp::bench::run_fsdp_train(train, run, flags, name);
+    if (r.contains("step_end_seconds")) {
+      r["it_per_s"] = fsdp::bench::it_per_s(r["step_end_seconds"].get<std::vector<double>>(), 1);
+    }
+    if (r.contains("disk_wait_seconds")) {
+      const auto w = r["disk_wait_seconds"].get<std::vector<double>>();
+      double sum = 0;
+      for (size_t i = 1; i < w.size(); ++i) sum += w[i];
+      r["disk_wait_seconds_per_step"] = w.size() > 1 ? sum / static_cast<double>(w.size() - 1) : 0.0;
+    }
+    if (name == "ram") {
+      ram = r;
+    } else if (ram.contains("losses") && r.contains("losses") && ram["it_per_s"].is_number() &&
+               r["it_per_s"].is_number()) {
+      r["it_per_s_ratio_to_ram"] = r["it_per_s"].get<double>() / ram["it_per_s"].get<double>();
+      double worst = 0;
+      for (size_t i = 0; i < r["losses"].size() && i < ram["losses"].size(); ++i) {
+        const double a = ram["losses"][i].get<double>(), b = r["losses"][i].get<double>();
+        worst = std::max(worst, std::abs(a - b) / std::max(std::abs(a), 1e-12));
+      }
+      r["max_relative_loss_difference_to_ram"] = worst;
+    }
+    for (const char* k : {"step_end_seconds", "forward_seconds", "backward_seconds",
+                          "optimizer_seconds", "comm_seconds"}) {
+      r.erase(k);  // keep the report short; the summaries stay in the run's files until removed
+    }
+    out[name] = r;
+  }
+  out["nvme_left_after"] = fs::exists(nvme) && !fs::is_empty(nvme);
+  fs::remove_all(run.dir, ec);
+  return out;
+}
+
 int run_offload(const std::vector<std::string>& args) {
   Options o;
   CLI::App app{"fsdp-bench offload"};
@@ -157,6 +233,15 @@ int run_offload(const std::vector<std::string>& args) {
   app.add_option("--steps", o.steps, "timed optimizer steps");
   app.add_option("--forward-ms", o.forward_ms,
                  "matmul compute after each step, standing in for the next forward (overlap)");
+  app.add_option("--stage3-model", o.stage3_model,
+                 "also compare fsdp-train deepspeed_stage_3 at world 2 (MPI) on this model: in "
+                 "RAM, optimizer state on disk, parameters + optimizer state on disk");
+  app.add_option("--stage3-steps", o.stage3_steps, "optimizer steps of each stage-3 run")
+      ->check(CLI::Range(2, 1000));
+  app.add_option("--stage3-params-buffer-count", o.stage3_params_buffer_count,
+                 "parameter buffers of the parameters-on-disk run")
+      ->check(CLI::Range(1, 64));
+  app.add_flag("--only-stage3", o.only_stage3, "run the stage-3 comparison only");
   if (auto code = fsdp::bench::parse_args(app, "offload", args)) return *code;
 
   json out;
@@ -169,6 +254,16 @@ int run_offload(const std::vector<std::string>& args) {
   out["intra_op_parallelism"] = o.aio.intra_op_parallelism;
   out["threads"] = at::get_num_threads();
 
+  if (o.only_stage3) {
+    if (o.stage3_model.empty()) {
+      std::cerr << "fsdp-bench offload: error: --only-stage3 needs --stage3-model MODEL\n";
+      return 2;
+    }
+    out["stage3"] = stage3_comparison(o);
+    out["load_average_end"] = fsdp::bench::load_average();
+    std::cout << out.dump(2) << std::endl;
+    return 0;
+  }
   const fsdp::DiskPlan plan = fsdp::plan_disk_offload(o.numel, o.sub_group_size, o.dir);
   const int64_t bytes = fsdp::detail::align_up(plan.disk_bytes, o.aio.block_size);
   out["disk"] = disk_baseline(o.dir + "/fsdp-bench-offload-disk.bin", bytes, o.aio.block_size);
@@ -210,6 +305,7 @@ int run_offload(const std::vector<std::string>& args) {
   out["fraction_of_disk_bandwidth"] = ideal_s / step_s;
   out["goal"] = ">= 0.5";
   out["overlap"] = overlap_last_writes(o, opt, no);
+  if (!o.stage3_model.empty()) out["stage3"] = stage3_comparison(o);
   out["load_average_end"] = fsdp::bench::load_average();
   std::cout << out.dump(2) << std::endl;
   return 0;

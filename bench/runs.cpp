@@ -167,7 +167,8 @@ nlohmann::json run_fsdp_train(const std::string& fsdp_train, const TrainRun& run
   }
   for (const char* key : {"strategy", "world_size", "params", "steps", "losses",
                           "step_end_seconds", "forward_seconds", "backward_seconds",
-                          "optimizer_seconds", "comm_seconds", "peak_alloc_mb", "setup_peak_alloc_mb",
+                          "optimizer_seconds", "comm_seconds", "disk_wait_seconds",
+                          "peak_alloc_mb", "setup_peak_alloc_mb",
                           "minor_faults_per_step", "user_seconds_per_step",
                           "sys_seconds_per_step"}) {
     if (s.contains(key)) r[key] = s[key];

@@ -482,6 +482,14 @@ std::string own_dir(const std::string& name) {
   return d.string();
 }
 
+// Removes `dir` and, once empty, the per-run root own_dir made (the first process only).
+void remove_own_dir(const std::string& dir) {
+  if (fsdp::testing::in_child_rank()) return;
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+  fs::remove(fs::path(dir).parent_path(), ec);  // only when empty: other tests may still use it
+}
+
 fsdp::DeepSpeedOptions params_nvme_options(const std::string& nvme_path) {
   fsdp::DeepSpeedOptions o = nvme_options(3, nvme_path);
   o.offload_parameters = true;
@@ -574,10 +582,7 @@ void parity_params_on_disk(int world_size, const std::string& backend,
     }
     EXPECT_FALSE(fs::exists(rank_dir)) << "swap directory left after the strategy ended";
   });
-  if (!fsdp::testing::in_child_rank()) {
-    std::error_code ec;
-    fs::remove_all(root, ec);
-  }
+  remove_own_dir(root);
 }
 
 TEST(DiskOffload, ParamsOnDiskParityGlooWorld2) { parity_params_on_disk(2, "gloo"); }
@@ -624,10 +629,7 @@ TEST(DiskOffload, ParamsOnDiskBadConfigurations) {
           << e.what();
     }
   });
-  if (!fsdp::testing::in_child_rank()) {
-    std::error_code ec;
-    fs::remove_all(root, ec);
-  }
+  remove_own_dir(root);
 }
 
 // A model set up under a disk-tier strategy, stepped on this rank's share of the global batches.
@@ -1001,11 +1003,8 @@ TEST(DiskOffload, FsdpTrainParamsOnDiskUnderBudget) {
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_NE((bad.out + bad.err).find("--offload-params-device"), std::string::npos)
       << bad.out << bad.err;
-  if (!fsdp::testing::in_child_rank()) {
-    std::error_code ec;
-    fs::remove_all(work, ec);
-    fs::remove_all(nvme, ec);
-  }
+  remove_own_dir(work);
+  remove_own_dir(nvme);
 }
 
 // A parameter record changed on disk behind the swapper's back (one bit flipped) is detected at
@@ -1046,8 +1045,5 @@ TEST(DiskOffload, ParamsOnDiskCorruptRecordIsDetected) {
           << e.what();
     }
   });
-  if (!fsdp::testing::in_child_rank()) {
-    std::error_code ec;
-    fs::remove_all(root, ec);
-  }
+  remove_own_dir(root);
 }

@@ -236,9 +236,9 @@ TEST(FullyShardEngine, NamesAndOptionsParseInOnePlace) {
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what()).find("param_dtype must be a floating dtype"), std::string::npos);
   }
-  fsdp::FSDPOptions off;
+  fsdp::FSDPOptions off;  // the identity on a CPU device (said at setup)
   off.cpu_offload = true;
-  EXPECT_THROW(fsdp::FSDPStrategy{off}, c10::Error);
+  EXPECT_NO_THROW(fsdp::FSDPStrategy{off});
   fsdp::FSDPOptions sd;
   sd.state_dict_type = "sharded";
   EXPECT_THROW(fsdp::FSDPStrategy{sd}, c10::Error);
@@ -262,6 +262,24 @@ TEST(FullyShardEngine, WorldOneMatchesPlainTraining) {
     fsdp::testing::expect_losses_close(got, want, 1e-6);
     fsdp::testing::expect_params_close(strategy.gather_full_params(), ref, 1e-6);
   }
+}
+
+// cpu_offload on a CPU device is the identity: the same losses and parameters as without it.
+TEST(FullyShardEngine, CpuOffloadIsTheIdentityOnCpu) {
+  LoopConfig cfg;
+  cfg.steps = 3;
+  TinyLM ref;
+  auto want = fsdp::testing::train_reference(ref, cfg);
+  TinyLM lm;
+  fsdp::FSDPOptions opts;
+  opts.cpu_offload = true;
+  opts.auto_wrap_policy = fsdp::AutoWrapPolicy::of_types(fsdp::demos::layer_types("transformer-tiny"));
+  fsdp::FSDPStrategy strategy(opts);
+  strategy.connect(nullptr, {});
+  auto got = fsdp::testing::train_with(strategy, lm, cfg);
+  fsdp::testing::expect_losses_close(got, want, 1e-6);
+  fsdp::testing::expect_params_close(strategy.gather_full_params(), ref, 1e-6);
+  for (const auto& p : lm.parameters()) EXPECT_TRUE(p.device().is_cpu());
 }
 
 // A trace of one step shows the hooks and collectives as profiler ranges (RECORD_FUNCTION), in

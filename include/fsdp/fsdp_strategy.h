@@ -130,9 +130,14 @@ struct FSDPOptions {
   int64_t prefetch_bucket_numel = 0;
   int64_t max_live_numel = 0;
 
+  // CPUOffload(offload_params=True): keep sharded parameters, gradients and the step in host
+  // memory. On a CPU device they are there already: setup says so once and moves nothing; with
+  // parameters on an accelerator it is an error (not implemented). For the disk tier see
+  // DeepSpeedStrategy (offload_*_device "nvme").
+  bool cpu_offload = false;
+
   // --- owned by later issues: present so configurations can name them, but any non-default
   // value is refused with "not supported yet" until the feature works.
-  bool cpu_offload = false;
   std::string state_dict_type = "full";                  // "full" | "sharded"
 };
 

@@ -13,6 +13,8 @@
 #include "shard/options.h"
 #include "shard/wrap_policy.h"
 
+#include <cstdio>
+
 #include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 
@@ -94,6 +96,18 @@ void FSDPStrategy::setup_module(LightningModule& module) {
   apply_checkpointing_policy(module);
   const int world_rank = rank();
   const int world = world_size();
+  if (options_.cpu_offload) {  // See FSDPOptions::cpu_offload.
+    for (const auto& p : module.parameters(/*recurse=*/true)) {
+      TORCH_CHECK(!p.defined() || p.device().is_cpu() || p.device().is_meta(),
+                  "[FSDPStrategy] cpu_offload from an accelerator to host memory is not "
+                  "implemented yet (a parameter is on ", p.device(), ")");
+    }
+    if (world_rank == 0) {
+      std::fprintf(stderr, "[FSDPStrategy] cpu_offload: the compute device is the CPU, so the "
+                   "sharded parameters, gradients and optimizer state already live in host "
+                   "memory and the step runs there; nothing is moved\n");
+    }
+  }
 
   // Shard and replicate groups. See DESIGN.md §3: sharding strategies are policies.
   ProcessGroupPtr shard_group, replicate_group;

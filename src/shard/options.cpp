@@ -170,7 +170,6 @@ void check_options(const FSDPOptions& o) {
   TORCH_CHECK(o.prefetch_bucket_numel >= 0 && o.max_live_numel >= 0,
               "[FSDPStrategy] prefetch_bucket_numel and max_live_numel must be >= 0 elements "
               "(0 = off), got ", o.prefetch_bucket_numel, " and ", o.max_live_numel);
-  TORCH_CHECK(!o.cpu_offload, "[FSDPStrategy] cpu_offload=true is not supported yet");
   TORCH_CHECK(o.ignored_params.empty() || !o.deferred_init,
               "[FSDPStrategy] ignored_params needs deferred_init = false: deferred "
               "initialization shards units while configure_model builds them, before the "
