@@ -40,6 +40,14 @@ using fsdp::testing::TinyLM;
 
 namespace {
 
+// The header at the start of a swap file (its magic and the generation of its last write).
+fsdp::detail::SwapHeader read_swap_header(const std::string& file) {
+  fsdp::detail::SwapHeader h{};
+  std::ifstream in(file, std::ios::binary);
+  in.read(reinterpret_cast<char*>(&h), sizeof h);
+  return h;
+}
+
 // A fresh directory for one test (the same path in every rank of it).
 std::string test_dir(const std::string& name) {
   fs::path d = fs::temp_directory_path() / "fsdp_disk_tests" / name;
@@ -143,9 +151,7 @@ void parity_with_disk(int world_size, const std::string& backend) {
         for (const auto& f : strategy->swap_files()) {
           ASSERT_TRUE(fs::exists(f)) << f;
           bytes += static_cast<int64_t>(fs::file_size(f));
-          std::ifstream in(f, std::ios::binary);
-          fsdp::detail::SwapHeader h{};
-          in.read(reinterpret_cast<char*>(&h), sizeof h);
+          const fsdp::detail::SwapHeader h = read_swap_header(f);
           EXPECT_EQ(std::string(h.magic, 8), "FSDPSWP1") << f;
           EXPECT_EQ(h.generation, static_cast<uint64_t>(cfg.steps)) << f;
         }
@@ -556,9 +562,7 @@ void parity_params_on_disk(int world_size, const std::string& backend,
       for (const auto& f : strategy->param_swap_files()) {
         ASSERT_TRUE(fs::exists(f)) << f;
         bytes += static_cast<int64_t>(fs::file_size(f));
-        std::ifstream in(f, std::ios::binary);
-        fsdp::detail::SwapHeader h{};
-        in.read(reinterpret_cast<char*>(&h), sizeof h);
+        const fsdp::detail::SwapHeader h = read_swap_header(f);
         EXPECT_EQ(std::string(h.magic, 8), "FSDPSWP1") << f;
         // Written at setup, then once per step, or twice when the unit's parameters sit in
         // two parameter groups (TinyLM: weights decay, biases do not; the step releases a
