@@ -228,11 +228,8 @@ void check_merge(const std::string& dir, const std::string& adapter, int world_e
     mp.param_dtype = at::kBFloat16;
     o.mixed_precision = mp;
   }
-  fsdp::FSDPStrategy strategy(o);
-  fsdp::LaunchInfo launch;
-  launch.rank = world->rank();
-  launch.world_size = launch.local_world_size = world->size();
-  strategy.connect(world, launch);
+  auto owned = fsdp::testing::connect_to_world(std::make_shared<fsdp::FSDPStrategy>(o));
+  fsdp::FSDPStrategy& strategy = *owned;
   QLoraLM lm;
   lm.dir = dir;
   lm.adapter = adapter;
