@@ -7,6 +7,8 @@
 // strategy, within 1e-6 relative elsewhere). Runs pass data through files in a scratch directory.
 // A kind ending in "+nvme" is a DeepSpeed stage with its optimizer state on disk (the disk
 // tier): its checkpoints stream the moments from the swap files and resume into either tier.
+// "+nvme+params" puts the parameters on disk too (stage 3): each unit's shard is read from its
+// swap record while the checkpoint writes or loads it.
 #include "fsdp/checkpoint.h"
 #include "fsdp/deepspeed.h"
 #include "fsdp/memory.h"
@@ -80,6 +82,13 @@ struct Run {
         o.sub_group_size = 5000;  // several sub-groups, boundaries inside parameters
         o.aio.block_size = 8192;
         o.aio.queue_depth = 4;
+        if (kind.find("+params", nvme) != std::string::npos) {
+          o.offload_parameters = true;
+          o.offload_params_device = "nvme";
+          o.params_buffer_count = 3;
+          o.params_buffer_size = 1e6;
+          o.max_in_cpu = 0;  // every unit on disk
+        }
       }
       strategy = fsdp::make_deepspeed_strategy(kind.substr(0, nvme), o);
     } else {
@@ -463,13 +472,56 @@ void disk_resume(int world, const std::string& backend) {
   }
 }
 
+// Parameters on disk too (offload_param nvme, stage 3; Note [Checkpoints of parameters on
+// disk]): the checkpoint holds every parameter with its full shape, written by the ranks that
+// hold its rows; it resumes bitwise at the same world and tier, and at another world size with
+// the parameters on disk, in RAM, and under FSDP at world 1.
+void params_disk_resume(int world, const std::string& backend) {
+  const int other = world == 2 ? 3 : 2;
+  const std::string kind = "deepspeed_stage_3+nvme+params";
+  std::string dir = scratch("nvme-params-" + backend + std::to_string(world));
+  fresh_dir(dir);
+  make_reference(dir, world, backend, kind, fsdp::StateDictType::kSharded);
+  if (!fsdp::testing::in_child_rank()) {
+    json meta = read_json(dir + "/ckpt/metadata.json");
+    TinyLM plain;
+    plain.configure_model();
+    int split = 0;
+    for (const auto& item : plain.named_parameters()) {
+      ASSERT_TRUE(meta["tensors"].contains(item.key())) << item.key();
+      const json& t = meta["tensors"][item.key()];
+      EXPECT_EQ(t["shape"].get<std::vector<int64_t>>(), item.value().sizes().vec()) << item.key();
+      if (t["pieces"].size() > 1) ++split;
+      EXPECT_TRUE(meta["tensors"].contains("optim." + item.key() + ".exp_avg")) << item.key();
+    }
+    EXPECT_GT(split, 4) << "few parameters were sharded: the disk path is barely exercised";
+    EXPECT_FALSE(fs::exists(dir + "/ckpt.partial"));
+  }
+  check_resume(dir, world, backend, kind, 0);
+  check_resume(dir, other, backend, kind, 1e-5);
+  check_resume(dir, other, backend, "deepspeed_stage_3", 1e-5);
+  check_resume(dir, 1, backend, "fsdp", 1e-5);
+  if (!fsdp::testing::in_child_rank()) {
+    const fs::path d = nvme_dir();
+    EXPECT_TRUE(fs::is_empty(d)) << "swap files left after the runs in " << d;
+    std::error_code ignored;
+    fs::remove(d, ignored);
+  }
+}
+
+TEST(Checkpoint, ParamsOnDiskResumeGlooWorld2) { params_disk_resume(2, "gloo"); }
+TEST(Checkpoint, ParamsOnDiskResumeGlooWorld3) { params_disk_resume(3, "gloo"); }
+TEST(Checkpoint, ParamsOnDiskResumeMpiWorld2) { params_disk_resume(2, "mpi"); }
+TEST(Checkpoint, ParamsOnDiskResumeMpiWorld3) { params_disk_resume(3, "mpi"); }
+
 TEST(Checkpoint, DiskOffloadResumeGlooWorld2) { disk_resume(2, "gloo"); }
 TEST(Checkpoint, DiskOffloadResumeGlooWorld3) { disk_resume(3, "gloo"); }
 TEST(Checkpoint, DiskOffloadResumeMpiWorld2) { disk_resume(2, "mpi"); }
 TEST(Checkpoint, DiskOffloadResumeMpiWorld3) { disk_resume(3, "mpi"); }
 
-// A RAM run's checkpoint resumes in the disk tier (its moments streamed into the swap files),
-// at the same and at another world size (within 1e-5: CPU Adam kernel vs torch's AdamW).
+// A RAM run's checkpoint resumes in the disk tier (its moments streamed into the swap files,
+// and with parameters on disk its weights into the parameter records), at the same and at
+// another world size (within 1e-5: CPU Adam kernel vs torch's AdamW).
 TEST(Checkpoint, RamCheckpointResumesInDiskTier) {
   std::string dir = scratch("ram-to-nvme");
   fresh_dir(dir);
@@ -477,5 +529,12 @@ TEST(Checkpoint, RamCheckpointResumesInDiskTier) {
   check_resume(dir, 2, "gloo", "deepspeed_stage_2+nvme", 1e-5);
   check_resume(dir, 3, "gloo", "deepspeed_stage_3+nvme", 1e-5);
   check_resume(dir, 3, "gloo", "deepspeed_stage_1+nvme", 1e-5);
+  check_resume(dir, 3, "gloo", "deepspeed_stage_3+nvme+params", 1e-5);
+  if (!fsdp::testing::in_child_rank()) {
+    const fs::path d = nvme_dir();
+    EXPECT_TRUE(fs::is_empty(d)) << "swap files left after the runs in " << d;
+    std::error_code ignored;
+    fs::remove(d, ignored);
+  }
 }
 

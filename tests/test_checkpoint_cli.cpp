@@ -18,6 +18,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <set>
 
 namespace fs = std::filesystem;
@@ -265,17 +266,14 @@ TEST(CheckpointCli, InspectAndConvertCheckedWithNumpy) {
   EXPECT_NE(bad.err.find("not a checkpoint"), std::string::npos) << bad.err;
 }
 
-// A run with its optimizer state on disk (ZeRO stage 2, offload_optimizer_device nvme) killed
-// by SIGKILL after it has checkpointed: `last` is a complete checkpoint streamed from the swap
-// files, and resuming from it gives the loss curve of a run that was never killed.
-TEST(CheckpointCli, DiskOffloadedRunKilledBySigkillResumes) {
-  std::string dir = scratch("nvme-kill");
-  const std::string nvme = dir + "/nvme";
-  auto on_disk = [&](int max_steps) {
-    return plus(train_argv(dir, 2, 2, max_steps, "deepspeed_stage_2"),
-                {"--backend", "gloo", "--offload-optimizer-device", "nvme", "--nvme-path", nvme,
-                 "--sub-group-size", "4096", "--state-dict-type", "sharded"});
-  };
+namespace {
+
+// A disk-offloaded run (`on_disk(max_steps)`: its argv, swap files under `nvme`) checkpointing
+// every 2 steps is killed by SIGKILL once it has checkpointed twice: `last` is a complete
+// checkpoint streamed from the swap files, and resuming from it gives the loss curve of a run
+// that was never killed. The finished runs leave no swap files.
+void kill_and_resume(const std::string& dir, const std::string& nvme,
+                     const std::function<std::vector<std::string>(int)>& on_disk) {
   const pid_t pid = spawn(plus(on_disk(100000), {"--checkpoint-dir", dir + "/ckpt",
                                                  "--save-every-n-steps", "2"}),
                           dir + "/killed.log");
@@ -323,6 +321,20 @@ TEST(CheckpointCli, DiskOffloadedRunKilledBySigkillResumes) {
     EXPECT_EQ(resumed[i], straight[k + i]) << "step " << k + i << " (resumed from step " << k << ")";
   }
   EXPECT_TRUE(fs::is_empty(nvme)) << "swap files left by the finished runs";
+}
+
+}  // namespace
+
+// The optimizer state on disk (ZeRO stage 2, offload_optimizer_device nvme).
+TEST(CheckpointCli, DiskOffloadedRunKilledBySigkillResumes) {
+  std::string dir = scratch("nvme-kill");
+  const std::string nvme = dir + "/nvme";
+  kill_and_resume(dir, nvme, [&](int max_steps) {
+    return plus(train_argv(dir, 2, 2, max_steps, "deepspeed_stage_2"),
+                {"--backend", "gloo", "--offload-optimizer-device", "nvme", "--nvme-path", nvme,
+                 "--sub-group-size", "4096", "--state-dict-type", "sharded"});
+  });
+  if (HasFatalFailure()) return;
 
   // The full format (fsdp-train's default) would gather the moments whole: refused at setup.
   auto full = run_process(plus(train_argv(dir, 2, 2, 2, "deepspeed_stage_2"),
@@ -334,5 +346,19 @@ TEST(CheckpointCli, DiskOffloadedRunKilledBySigkillResumes) {
   EXPECT_NE(full.err.find("sharded format only"), std::string::npos) << full.err;
   EXPECT_NE(full.err.find("--state-dict-type sharded"), std::string::npos) << full.err;
   EXPECT_FALSE(fs::exists(dir + "/ckpt-full/step-1"));
+}
+
+// The parameters on disk too (stage 3, offload_params_device nvme; every unit on disk, the
+// model built sharded): each checkpoint reads the units' records one at a time.
+TEST(CheckpointCli, ParamsOnDiskRunKilledBySigkillResumes) {
+  std::string dir = scratch("nvme-params-kill");
+  const std::string nvme = dir + "/nvme";
+  kill_and_resume(dir, nvme, [&](int max_steps) {
+    return plus(train_argv(dir, 2, 2, max_steps, "deepspeed_stage_3"),
+                {"--backend", "gloo", "--offload-optimizer-device", "nvme",
+                 "--offload-params-device", "nvme", "--nvme-path", nvme, "--sub-group-size",
+                 "4096", "--max-in-cpu", "0", "--stage3-param-persistence-threshold", "0",
+                 "--state-dict-type", "sharded"});
+  });
 }
 

@@ -572,17 +572,6 @@ void parity_params_on_disk(int world_size, const std::string& backend,
             << f << ": write #" << h.generation;
       }
       EXPECT_EQ(bytes, strategy->param_disk_plan()->disk_bytes);
-      // Checkpoints of such a run are refused on every rank, before anything is written.
-      try {
-        fsdp::save_checkpoint(root + "/ckpt", *strategy, lm, nullptr, {},
-                              fsdp::StateDictType::kSharded);
-        ADD_FAILURE() << "a checkpoint of parameters on disk was written";
-      } catch (const c10::Error& e) {
-        EXPECT_NE(std::string(e.what()).find("parameters on disk"), std::string::npos) << e.what();
-        EXPECT_NE(std::string(e.what()).find("not implemented yet"), std::string::npos) << e.what();
-      }
-      pg.barrier();
-      EXPECT_FALSE(fs::exists(root + "/ckpt"));
     }
     EXPECT_FALSE(fs::exists(rank_dir)) << "swap directory left after the strategy ended";
   });
@@ -718,6 +707,100 @@ TEST(DiskOffload, CheckpointStreamsOneSubGroupAtATime) {
       EXPECT_LE(load_peak, record);
     }
   });
+}
+
+// Note [Checkpoints of parameters on disk]: a save of a run with its parameters on disk holds at
+// most two units' shards in RAM (plus one moment record streaming), reads the records without
+// writing them, and leaves every shard on disk; a load writes each record once or twice (a unit
+// whose parameters are not consecutive in the module's order is entered twice) and leaves them
+// on disk too. A weights-only checkpoint in the full format gathers one parameter at a time and
+// holds the trained weights.
+TEST(DiskOffload, ParamsOnDiskCheckpointHoldsAtMostTwoUnits) {
+  const std::string root = test_dir("params-ckpt-peak");
+  fsdp::testing::run_ranks(2, "gloo", [&](fsdp::ProcessGroup& pg) {
+    ::setenv("FSDP_JOB_ID", "job-params-ckpt", 1);
+    fsdp::install_tracking_allocator();
+    auto o = params_nvme_options(root);
+    o.sub_group_size = 2048;
+    const int64_t record = 4096 + 2 * 8192;  // header + two fp32 moments of 2048 elements
+    const std::string ckpt = root + "/ckpt";
+    auto on_disk = [](TinyLM& lm) {
+      int64_t resident = 0, n = 0;
+      for (auto& p : lm.parameters(true)) {
+        if (p.numel() <= 64) continue;  // persistent: whole, in RAM
+        ++n;
+        if (p.storage().nbytes() > 0) ++resident;
+      }
+      EXPECT_GT(n, 4);
+      return resident == 0;
+    };
+    auto generations = [](fsdp::DeepSpeedStrategy& s) {
+      s.flush_disk_tier();
+      std::vector<uint64_t> g;
+      for (const auto& f : s.param_swap_files()) g.push_back(read_swap_header(f).generation);
+      return g;
+    };
+    int64_t bound = 0;
+    {
+      DiskRun run(o);
+      run.train(2);
+      const fsdp::ParamDiskPlan* plan = run.strategy->param_disk_plan();
+      ASSERT_NE(plan, nullptr);
+      bound = 2 * plan->largest_unit_numel * 4 + record;
+      ASSERT_GT(plan->numel_on_disk * 4, 2 * bound)
+          << "the bound would not tell two units from the whole model";
+      ASSERT_TRUE(on_disk(run.lm));
+      const auto before_gen = generations(*run.strategy);
+      const int64_t before = fsdp::memory_stats().current_bytes;
+      fsdp::reset_peak_memory_stats();
+      run.save(ckpt);
+      const int64_t save_peak = fsdp::memory_stats().peak_bytes - before;
+      std::cerr << "rank " << pg.rank() << ": " << plan->numel_on_disk * 4 << " B of shards on "
+                << "disk in " << plan->units_on_disk << " units (largest "
+                << plan->largest_unit_numel * 4 << " B), save peak +" << save_peak << " B\n";
+      EXPECT_GT(save_peak, 0) << "nothing tracked: the test is blind";
+      EXPECT_LE(save_peak, bound);
+      EXPECT_TRUE(on_disk(run.lm)) << "the save left shards in RAM";
+      EXPECT_EQ(generations(*run.strategy), before_gen) << "the save wrote parameter records";
+
+      // Weights only, full format: one gathered parameter at a time, equal to the weights.
+      fsdp::save_checkpoint(root + "/full", *run.strategy, run.lm, nullptr, {},
+                            fsdp::StateDictType::kFull);
+      EXPECT_TRUE(on_disk(run.lm)) << "the full save left shards in RAM";
+      auto full = run.strategy->gather_full_params();
+      if (pg.rank() == 0) {
+        TinyLM plain;
+        plain.configure_model();
+        fsdp::load_weights(plain, root + "/full");
+        auto saved = plain.named_parameters();
+        ASSERT_EQ(full.size(), saved.size());
+        for (const auto& [name, value] : full) {
+          ASSERT_TRUE(saved.contains(name)) << name;
+          EXPECT_TRUE(at::equal(saved[name], value)) << name;
+        }
+      }
+      pg.barrier();
+    }
+    DiskRun resumed(o);
+    const auto before_gen = generations(*resumed.strategy);
+    const int64_t before = fsdp::memory_stats().current_bytes;
+    fsdp::reset_peak_memory_stats();
+    auto p = fsdp::load_checkpoint(ckpt, *resumed.strategy, resumed.lm, resumed.opt.get());
+    const int64_t load_peak = fsdp::memory_stats().peak_bytes - before;
+    std::cerr << "rank " << pg.rank() << ": load peak +" << load_peak << " B\n";
+    EXPECT_EQ(p.global_step, 2);
+    EXPECT_GT(load_peak, 0) << "nothing tracked: the test is blind";
+    EXPECT_LE(load_peak, bound);
+    EXPECT_TRUE(on_disk(resumed.lm)) << "the load left shards in RAM";
+    const auto after_gen = generations(*resumed.strategy);
+    ASSERT_EQ(after_gen.size(), before_gen.size());
+    for (size_t i = 0; i < after_gen.size(); ++i) {
+      EXPECT_TRUE(after_gen[i] == before_gen[i] + 1 || after_gen[i] == before_gen[i] + 2)
+          << "record " << i << ": generation " << before_gen[i] << " -> " << after_gen[i];
+    }
+  });
+  std::error_code ec;
+  if (!fsdp::testing::in_child_rank()) fs::remove_all(root, ec);
 }
 
 // A write that fails during the save (the file size limit as a full disk; a read-only

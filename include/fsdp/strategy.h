@@ -40,6 +40,9 @@
 
 namespace fsdp {
 
+namespace detail {
+class ParamResidency;  // src/offload/param_residency.h
+}  // namespace detail
 class LightningModule;
 struct OptimizerConfig;
 struct TrainerOptions;
@@ -82,6 +85,11 @@ struct LocalShards {
   int replica_rank = 0;
   // The sharded parameters; every other parameter and buffer is held whole by every rank.
   std::vector<LocalShard> params;
+  // Set when a sharded parameter's values may be away from RAM (parameters on disk: DeepSpeed
+  // stage 3 with offload_param device "nvme"). A `local` it manages holds its values only
+  // between residency->acquire_outside_step(local) and residency->release(local, modified);
+  // checkpoints hold one unit at a time. See Note [Checkpoints of parameters on disk].
+  detail::ParamResidency* residency = nullptr;
 };
 
 // Optimizer state that a strategy keeps outside the optimizer's state() (the disk tier's

@@ -5,6 +5,7 @@
 #include "ckpt/layout.h"
 #include "fsdp/cpu_adam.h"
 #include "fsdp/strategy.h"
+#include "offload/param_residency.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/Generator.h>
@@ -18,6 +19,7 @@
 #include <map>
 #include <mutex>
 #include <unordered_map>
+#include <utility>
 
 namespace fsdp {
 
@@ -89,6 +91,9 @@ struct LocalTensor {
   // and dtype, no data).
   at::Tensor streamed;
   int stat = 0;
+  // A parameter on disk (Note [Checkpoints of parameters on disk]): the registered tensor the
+  // residency manages; `local`'s storage holds the values only while it is acquired.
+  at::Tensor on_disk;
   int64_t row_numel() const {
     int64_t n = 1;
     for (size_t i = 1; i < full_shape.size(); ++i) n *= full_shape[i];
@@ -120,6 +125,50 @@ struct Layout {
   // Parameters held whole whose optimizer state is split (ZeRO stages 1 and 2; LocalShard::param
   // set): registered tensor -> the partition the optimizer steps.
   std::unordered_map<const c10::TensorImpl*, LocalShard> partitions;
+  detail::ParamResidency* residency = nullptr;  // parameters on disk (LocalShards::residency)
+};
+
+// Note [Checkpoints of parameters on disk]
+// A run with parameters on disk (DeepSpeed stage 3, offload_param nvme) keeps each unit's shard
+// as a swap record; the shards' storages are empty at rest (Note [Parameters on disk]). Its
+// checkpoints are the sharded (or full) format of any other run: the writer and the loader
+// visit the model tensors in order and hold each parameter on disk only while they copy its
+// rows. ResidentWindow::enter(t) acquires t before it releases the parameter held before, so
+// the parameters of one unit (consecutive in the module's order) share one read of its record,
+// and at most two units' shards are in RAM, whatever the model's size. A load releases with
+// modified = true: each record is written back, with the loaded values, before the next unit
+// after it is read. The acquisitions are outside the training step: they move neither the
+// recorded access order nor its read-ahead. Streamed optimizer state (the moments, which must be on
+// disk too) follows as for optimizer-only offload, Note [Streamed optimizer state].
+class ResidentWindow {
+ public:
+  ResidentWindow(detail::ParamResidency* residency, bool modifies)
+      : residency_(residency), modifies_(modifies) {}
+  ResidentWindow(const ResidentWindow&) = delete;
+  ResidentWindow& operator=(const ResidentWindow&) = delete;
+  ~ResidentWindow() {
+    try {
+      close();
+    } catch (...) {  // the residency's own error is already on its way (or reported next use)
+    }
+  }
+  // `t`'s values are in its storage until the next enter or close.
+  void enter(const LocalTensor& t) {
+    if (!t.on_disk.defined()) return;
+    residency_->acquire_outside_step(t.on_disk);
+    at::Tensor before = std::exchange(held_, t.on_disk);
+    if (before.defined()) residency_->release(before, modifies_);
+  }
+  void close() {
+    if (!held_.defined()) return;
+    at::Tensor last = std::exchange(held_, at::Tensor());
+    residency_->release(last, modifies_);
+  }
+
+ private:
+  detail::ParamResidency* residency_;
+  bool modifies_;
+  at::Tensor held_;
 };
 
 // The optimizer-state layout of a parameter: its own (`param`), or its partition's when the
@@ -164,6 +213,7 @@ Layout build_layout(Strategy* strategy, torch::nn::Module& module,
     L.shard_world = L.shard_group ? L.shard_group->size() : 1;
     L.shard_rank = L.shard_group ? L.shard_group->rank() : 0;
     L.replica_rank = held.replica_rank;
+    L.residency = held.residency;
     for (auto& shard : held.params) {
       if (shard.param.defined()) {
         L.partitions.emplace(shard.param.unsafeGetTensorImpl(), std::move(shard));
@@ -186,6 +236,7 @@ Layout build_layout(Strategy* strategy, torch::nn::Module& module,
       t.row_begin = shard.rows.begin;
       t.rows = shard.rows.size();
       t.sharded = true;
+      if (L.residency && L.residency->manages(item.value())) t.on_disk = item.value();
     } else {
       t.full_shape = t.local.sizes().vec();
       t.dim0 = ckpt::dim0_of(t.full_shape);
@@ -224,6 +275,7 @@ Layout build_layout(Strategy* strategy, torch::nn::Module& module,
         const auto names = streamed->stats();
         for (size_t k = 0; k < names.size(); ++k) {
           LocalTensor t = p;
+          t.on_disk = at::Tensor();  // the moments stream from their own records
           t.key = std::string(ckpt::kOptimPrefix) + item.key() + "." + names[k];
           t.local = at::empty(p.local.sizes(), at::TensorOptions(at::kFloat).device(at::kMeta));
           t.streamed = opt_tensor;
@@ -237,6 +289,7 @@ Layout build_layout(Strategy* strategy, torch::nn::Module& module,
       steps[item.key()] = step;
       for (auto& [name, tensor] : stats) {
         LocalTensor t = p;
+        t.on_disk = at::Tensor();  // optimizer state in RAM
         t.key = std::string(ckpt::kOptimPrefix) + item.key() + "." + name;
         t.local = tensor.detach().contiguous();
         TORCH_INTERNAL_ASSERT(t.local.numel() == p.local.numel(), "optimizer state '", t.key,
@@ -293,8 +346,10 @@ void write_full(const std::string& file, const std::vector<LocalTensor>& ts, con
   if (L.replica_rank != 0) return;  // See Note [Who writes a checkpoint]
   std::unique_ptr<ckpt::SafetensorsWriter> w;
   if (L.shard_rank == 0) w = std::make_unique<ckpt::SafetensorsWriter>(file, full_specs(ts));
+  ResidentWindow window(L.residency, /*modifies=*/false);
   for (size_t i = 0; i < ts.size(); ++i) {
     const LocalTensor& t = ts[i];
+    window.enter(t);
     if (t.sharded) {
       at::Tensor in = t.local.reshape({-1});
       const int64_t padded = t.shard_rows * t.row_numel();
@@ -311,6 +366,7 @@ void write_full(const std::string& file, const std::vector<LocalTensor>& ts, con
     }
     if (i == 0) ckpt::maybe_crash_during_save(rank, step);
   }
+  window.close();
   if (w) w->commit();
 }
 
@@ -333,6 +389,7 @@ void write_shard(const std::string& file, const Layout& L, int rank, int64_t ste
   }
   ckpt::SafetensorsWriter w(file, specs);
   std::map<std::pair<const c10::TensorImpl*, int>, size_t> pieces;  // (tensor, stat) -> index
+  ResidentWindow window(L.residency, /*modifies=*/false);
   for (size_t i = 0; i < mine.size(); ++i) {
     const LocalTensor* t = mine[i];
     if (t->streamed.defined()) {
@@ -340,10 +397,12 @@ void write_shard(const std::string& file, const Layout& L, int rank, int64_t ste
       continue;
     }
     TORCH_INTERNAL_ASSERT(pieces.empty(), "streamed optimizer state must come last");
+    window.enter(*t);
     w.write(t->local.data_ptr(),
             static_cast<size_t>(t->rows * t->row_numel() * t->local.element_size()));
     if (i == 0) ckpt::maybe_crash_during_save(rank, step);
   }
+  window.close();  // the last unit leaves RAM before the moments stream through
   if (!pieces.empty()) {
     TORCH_INTERNAL_ASSERT(streamed);
     streamed->read_state([&](const at::Tensor& param, int stat, int64_t offset, float* data,
@@ -635,7 +694,14 @@ TrainingProgress load_checkpoint(const std::string& dir, Strategy& strategy,
   }
 
   // Data.
-  for (const auto& t : L.model) read_local(*src, t, t.local);
+  {
+    ResidentWindow window(L.residency, /*modifies=*/true);
+    for (const auto& t : L.model) {
+      window.enter(t);
+      read_local(*src, t, t.local);
+    }
+    window.close();
+  }
   StreamedOptimizerState* streamed = optimizer ? strategy.streamed_optimizer_state() : nullptr;
   if (streamed) {
     load_streamed(*src, dir, opt_loads, info, *streamed);

@@ -19,6 +19,9 @@ class ParamResidency {
   virtual void acquire(const at::Tensor& param) = 0;
   // The caller is done with `param`; `modified`: its values changed (they are written back).
   virtual void release(const at::Tensor& param, bool modified) = 0;
+  // acquire for a use outside the training step (a checkpoint's save or load): the access is
+  // not part of the order that prefetching follows, and starts no read-ahead.
+  virtual void acquire_outside_step(const at::Tensor& param) { acquire(param); }
 };
 
 }  // namespace fsdp::detail

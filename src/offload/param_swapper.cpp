@@ -395,7 +395,13 @@ void ParamSwapper::prefetch() {
   }
 }
 
-void ParamSwapper::acquire(const at::Tensor& param) {
+void ParamSwapper::acquire(const at::Tensor& param) { acquire(param, /*in_step=*/true); }
+
+void ParamSwapper::acquire_outside_step(const at::Tensor& param) {
+  acquire(param, /*in_step=*/false);
+}
+
+void ParamSwapper::acquire(const at::Tensor& param, bool in_step) {
   TORCH_CHECK(failed_.empty(), options_.who, " parameters on disk stopped after an error: ",
               failed_);
   auto it = unit_index_.find(param.unsafeGetTensorImpl());
@@ -405,9 +411,9 @@ void ParamSwapper::acquire(const at::Tensor& param) {
   if (u.file < 0) return;  // kept in RAM (max_in_cpu)
   if (u.refs++ > 0) return;
   try {
-    note_access(i);
+    if (in_step) note_access(i);
     load(i);
-    prefetch();
+    if (in_step) prefetch();
   } catch (const std::exception& e) {
     fail(e);
     throw;

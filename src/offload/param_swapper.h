@@ -53,6 +53,7 @@ class ParamSwapper : public ParamResidency {
   bool manages(const at::Tensor& param) const override;
   void acquire(const at::Tensor& param) override;
   void release(const at::Tensor& param, bool modified) override;
+  void acquire_outside_step(const at::Tensor& param) override;
   // The first call ends the recording of the access order that prefetching follows (after the
   // first optimizer step, so one recorded step covers forward, backward and the step).
   void end_step();
@@ -69,6 +70,7 @@ class ParamSwapper : public ParamResidency {
   struct Unit;
   struct Buffer;
   Unit& unit_of(const at::Tensor& param);
+  void acquire(const at::Tensor& param, bool in_step);
   int take_buffer();
   void free_done_writes();
   void load(size_t u);

@@ -251,7 +251,8 @@ LocalShards FSDPStrategy::local_shards() {
     // `local` is S itself (not a detached alias): the checkpointer finds it among
     // module.named_parameters() by its TensorImpl.
     out.params.push_back(LocalShard{p->sharded(), p->full_shape().vec(),
-                                    p->shard_rows(), p->rows_of(out.shard_group->rank())});
+                                    p->shard_rows(), p->rows_of(out.shard_group->rank()),
+                                    /*param=*/at::Tensor()});
   }
   return out;
 }

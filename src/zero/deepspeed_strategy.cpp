@@ -599,15 +599,10 @@ std::pair<int64_t, int64_t> DeepSpeedStrategy::parameter_counts(torch::nn::Modul
 
 LocalShards DeepSpeedStrategy::local_shards() {
   TORCH_CHECK(impl_->module, "[deepspeed] local_shards before setup_module");
-  // Every rank refuses here, before a checkpoint creates or reads anything.
-  TORCH_CHECK(!impl_->params_on_disk, "[deepspeed] rank ", rank(), ": checkpoints of a run "
-              "with parameters on disk (offload_param device \"nvme\") are not implemented yet; "
-              "nothing was saved or loaded. HINT: keep the parameters in RAM "
-              "(offload_params_device \"cpu\") with the optimizer state on disk: those runs "
-              "save and resume sharded checkpoints");
   LocalShards out;
   if (impl_->fsdp) {
     out = impl_->fsdp->local_shards();
+    out.residency = impl_->params_on_disk.get();  // Note [Checkpoints of parameters on disk]
   } else {
     out.shard_group = world_;
     out.replica_rank = 0;  // the world is one copy of the (partitioned) optimizer state
