@@ -3,6 +3,13 @@
 // Prints one JSON object on stdout (rank 0).
 //
 //   fsdp-bench checkpoint [--model transformer-small] [--world 2] [--dir /tmp/fsdp-bench-ckpt]
+//                         [--params-on-disk NVME_PATH]
+//
+// --params-on-disk: DeepSpeed stage 3 with the parameters and the optimizer state on disk under
+// NVME_PATH (every unit on disk, built sharded) instead of FSDP, sharded format only: a save
+// reads each unit's record while it writes that unit, a load writes the records back (Note
+// [Checkpoints of parameters on disk]); "state_on_disk_mb_per_rank" is what the rank keeps in
+// swap files, against which "extra_peak_mb_per_rank" is to be read.
 //
 // The ranks are launched by the Trainer (fsdp::launch re-executes this program). One optimizer
 // step runs first so AdamW state exists. Peak memory is the tracking allocator's peak tensor
@@ -13,6 +20,7 @@
 #include "bench.h"
 
 #include <fsdp/checkpoint.h>
+#include <fsdp/deepspeed.h>
 #include <fsdp/fsdp.h>
 
 #include <CLI/CLI.hpp>
@@ -60,13 +68,32 @@ int run_checkpoint(const std::vector<std::string>& args) {
   app.add_option("--world", world, "ranks");
   app.add_option("--vocab-size", vocab, "vocabulary (the preset's WikiText-2 size by default)");
   app.add_option("--dir", dir, "scratch directory for the checkpoints");
+  std::string nvme;
+  app.add_option("--params-on-disk", nvme,
+                 "DeepSpeed stage 3 with parameters and optimizer state on disk under this "
+                 "directory (sharded checkpoints only)");
   if (auto status = fsdp::bench::parse_args(app, "checkpoint", args)) return *status;
 
-  fsdp::FSDPOptions fo;
-  fo.auto_wrap_policy = fsdp::AutoWrapPolicy::of_types(fsdp::demos::layer_types(model));
   fsdp::TrainerOptions t;
   t.devices = world;
-  t.strategy = std::make_shared<fsdp::FSDPStrategy>(fo);
+  if (nvme.empty()) {
+    fsdp::FSDPOptions fo;
+    fo.auto_wrap_policy = fsdp::AutoWrapPolicy::of_types(fsdp::demos::layer_types(model));
+    t.strategy = std::make_shared<fsdp::FSDPStrategy>(fo);
+  } else {
+    std::error_code ec;
+    fs::create_directories(nvme, ec);  // the swapper creates only <job>/ inside it
+    fsdp::DeepSpeedOptions ds;
+    ds.stage = 3;
+    ds.offload_optimizer = true;
+    ds.offload_optimizer_device = "nvme";
+    ds.offload_parameters = true;
+    ds.offload_params_device = "nvme";
+    ds.nvme_path = nvme;
+    ds.max_in_cpu = 0;
+    ds.stage3_param_persistence_threshold = 0;  // every parameter in a unit, built sharded
+    t.strategy = std::make_shared<fsdp::DeepSpeedStrategy>(ds);
+  }
   t.max_steps = 1;
   t.seed = 42;
   t.enable_progress_bar = false;
@@ -81,7 +108,21 @@ int run_checkpoint(const std::vector<std::string>& args) {
   auto& pg = *trainer.world();
 
   json out = {{"bench", "checkpoint"}, {"model", model}, {"world", world},
-              {"params", trainer.results().params}};
+              {"params", trainer.results().params}, {"strategy", strategy.name()}};
+  if (!nvme.empty()) {
+    auto* ds = dynamic_cast<fsdp::DeepSpeedStrategy*>(&strategy);
+    TORCH_CHECK(ds && ds->param_disk_plan() && ds->disk_plan(),
+                "fsdp-bench checkpoint: --params-on-disk did not put the parameters on disk");
+    // This rank's swap records: parameter shards and moments (fp32).
+    at::Tensor mine = at::tensor({ds->param_disk_plan()->numel_on_disk * 4 +
+                                  ds->disk_plan()->state_numel * 8}, at::kLong);
+    at::Tensor all = at::empty({world}, at::kLong);
+    pg.all_gather_into_tensor(all, mine);
+    json per_rank = json::array();
+    for (int r = 0; r < world; ++r) per_rank.push_back(all[r].item<int64_t>() / 1048576.0);
+    out["state_on_disk_mb_per_rank"] = per_rank;
+    out["largest_unit_shard_mb"] = ds->param_disk_plan()->largest_unit_numel * 4 / 1048576.0;
+  }
   auto measure = [&](const std::string& what, const std::function<void()>& fn) {
     strategy.barrier();
     const int64_t before = fsdp::memory_stats().current_bytes;
@@ -108,7 +149,9 @@ int run_checkpoint(const std::vector<std::string>& args) {
     fs::create_directories(dir);
   }
   strategy.barrier();
-  for (std::string type : {"full", "sharded"}) {
+  std::vector<std::string> types = {"full", "sharded"};
+  if (!nvme.empty()) types = {"sharded"};  // the full format would gather the moments whole
+  for (const std::string& type : types) {
     const std::string path = dir + "/" + type;
     auto st = fsdp::parse_state_dict_type(type);
     measure("save_" + type, [&] {
