@@ -3,7 +3,7 @@
 // Prints one JSON object on stdout (rank 0).
 //
 //   fsdp-bench checkpoint [--model transformer-small] [--world 2] [--dir /tmp/fsdp-bench-ckpt]
-//                         [--params-on-disk NVME_PATH]
+//                         [--params-on-disk NVME_PATH [--sub-group-size 10000000]]
 //
 // --params-on-disk: DeepSpeed stage 3 with the parameters and the optimizer state on disk under
 // NVME_PATH (every unit on disk, built sharded) instead of FSDP, sharded format only: a save
@@ -72,6 +72,10 @@ int run_checkpoint(const std::vector<std::string>& args) {
   app.add_option("--params-on-disk", nvme,
                  "DeepSpeed stage 3 with parameters and optimizer state on disk under this "
                  "directory (sharded checkpoints only)");
+  int64_t sub_group_size = 10000000;
+  app.add_option("--sub-group-size", sub_group_size,
+                 "with --params-on-disk: elements per streamed moment sub-group (three buffers "
+                 "of one sub-group's record are in RAM)");
   if (auto status = fsdp::bench::parse_args(app, "checkpoint", args)) return *status;
 
   fsdp::TrainerOptions t;
@@ -90,6 +94,7 @@ int run_checkpoint(const std::vector<std::string>& args) {
     ds.offload_parameters = true;
     ds.offload_params_device = "nvme";
     ds.nvme_path = nvme;
+    ds.sub_group_size = sub_group_size;
     ds.max_in_cpu = 0;
     ds.stage3_param_persistence_threshold = 0;  // every parameter in a unit, built sharded
     t.strategy = std::make_shared<fsdp::DeepSpeedStrategy>(ds);
@@ -122,6 +127,7 @@ int run_checkpoint(const std::vector<std::string>& args) {
     for (int r = 0; r < world; ++r) per_rank.push_back(all[r].item<int64_t>() / 1048576.0);
     out["state_on_disk_mb_per_rank"] = per_rank;
     out["largest_unit_shard_mb"] = ds->param_disk_plan()->largest_unit_numel * 4 / 1048576.0;
+    out["sub_group_size"] = sub_group_size;
   }
   auto measure = [&](const std::string& what, const std::function<void()>& fn) {
     strategy.barrier();
