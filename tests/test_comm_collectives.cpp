@@ -167,6 +167,27 @@ TEST_P(CommAsync, OverlapWithComputeGivesSameResults) {
   fsdp::testing::run_ranks(3, GetParam(), [](ProcessGroup& pg) { check_async_overlap(pg); });
 }
 
+// A finished collective keeps no reference to the tensors it was given: once wait() returns, the
+// caller's handles are the only ones, so dropping them frees the memory. FSDP drops each
+// all-gather's input right after the wait, before its copy-out allocates the unsharded
+// parameters; a reference the comm thread kept a little longer put that input on every peak.
+TEST_P(CommAsync, WaitReleasesTheTensorsItWasGiven) {
+  fsdp::testing::run_ranks(2, GetParam(), [](ProcessGroup& pg) {
+    for (int i = 0; i < 20; ++i) {
+      at::Tensor in = at::ones({4096});
+      at::Tensor out = at::empty({2 * 4096});
+      pg.all_gather_into_tensor_async(out, in)->wait();
+      EXPECT_EQ(in.use_count(), 1) << "all-gather input, iteration " << i;
+      EXPECT_EQ(out.use_count(), 1) << "all-gather output, iteration " << i;
+      at::Tensor rs_in = at::ones({2 * 4096});
+      at::Tensor rs_out = at::empty({4096});
+      pg.reduce_scatter_tensor_async(rs_out, rs_in, ReduceOp::kSum)->wait();
+      EXPECT_EQ(rs_in.use_count(), 1) << "reduce-scatter input, iteration " << i;
+      EXPECT_EQ(rs_out.use_count(), 1) << "reduce-scatter output, iteration " << i;
+    }
+  });
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, CommAsync, ::testing::Values("gloo", "mpi"),
                          [](const auto& info) { return std::string(info.param); });
 

@@ -426,12 +426,14 @@ WorkPtr GroupImpl::enqueue(const Fingerprint& fp, std::vector<at::Tensor> keep_a
   record->group = this;
   record->timeout = config_.timeout;
   record->keep_alive = std::move(keep_alive);
-  thread_->post([this, record, fp, body = std::move(body)] { run_record(record, fp, body); });
+  thread_->post([this, record, fp, body = std::move(body)]() mutable {
+    run_record(record, fp, std::move(body));
+  });
   return std::make_shared<RecordWork>(shared_from_this(), record);
 }
 
 void GroupImpl::run_record(const std::shared_ptr<OpRecord>& record, const Fingerprint& fp,
-                           const std::function<void(Transport&)>& body) {
+                           std::function<void(Transport&)> body) {
   std::exception_ptr error;
   std::string message;
   bool skipped = false;
@@ -485,6 +487,7 @@ void GroupImpl::run_record(const std::shared_ptr<OpRecord>& record, const Finger
     }
     record->error = error;
     record->keep_alive.clear();
+    body = nullptr;  // its captures too, before a waiter frees what it gave the collective
   }
   record->cv.notify_all();
 }

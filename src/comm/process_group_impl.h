@@ -218,8 +218,10 @@ class GroupImpl final : public ProcessGroup, public std::enable_shared_from_this
   WorkPtr enqueue(const Fingerprint& fp, std::vector<at::Tensor> keep_alive,
                   std::function<void(Transport&)> body,
                   const std::function<void()>& local = nullptr);
+  // Runs `body` and then destroys it, before the record is done: the tensors it captured (a
+  // collective's input) are not kept alive past the wait by the comm thread.
   void run_record(const std::shared_ptr<OpRecord>& record, const Fingerprint& fp,
-                  const std::function<void(Transport&)>& body);
+                  std::function<void(Transport&)> body);
   void poison(const std::string& why);
   void check_usable(const char* op) const;
   std::string describe(CollectiveOp op, int64_t seq) const;
