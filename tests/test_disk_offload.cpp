@@ -31,6 +31,7 @@
 #include <csignal>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <map>
 
@@ -806,11 +807,13 @@ TEST(DiskOffload, ParamsOnDiskCheckpointHoldsAtMostTwoUnits) {
 // A write that fails during the save (the file size limit as a full disk; a read-only
 // directory) is one clear error on every rank naming the checkpoint, nothing is published, the
 // previous checkpoint stays and loads, and training goes on (the swap files are intact).
-TEST(DiskOffload, CheckpointWriteErrorPublishesNothing) {
-  const std::string root = test_dir("ckpt-error");
+// `options(root)`: the disk tier's configuration, its swap files under root.
+void write_error_publishes_nothing(
+    const std::string& root,
+    const std::function<fsdp::DeepSpeedOptions(const std::string&)>& options) {
   fsdp::testing::run_ranks(2, "gloo", [&](fsdp::ProcessGroup& pg) {
     ::signal(SIGXFSZ, SIG_IGN);
-    DiskRun run(nvme_options(2, root));
+    DiskRun run(options(root));
     const std::string ckpt = root + "/ckpt";
     run.train(1);
     run.save(ckpt);
@@ -818,7 +821,7 @@ TEST(DiskOffload, CheckpointWriteErrorPublishesNothing) {
     // Every swap write stays below the limit (their records were reserved at setup), every
     // checkpoint file goes past it.
     int64_t swap = 0;
-    for (const auto& f : run.strategy->swap_files()) {
+    for (const auto& f : run.strategy->swap_files()) {  // both tiers' files
       swap = std::max<int64_t>(swap, static_cast<int64_t>(fs::file_size(f)));
     }
     ASSERT_GT(run.strategy->disk_plan()->state_numel * 4, swap);
@@ -871,6 +874,17 @@ TEST(DiskOffload, CheckpointWriteErrorPublishesNothing) {
     if (pg.rank() == 0) fs::permissions(ro, fs::perms::owner_all);
     EXPECT_FALSE(fs::exists(ro + "/ckpt"));
   });
+}
+
+TEST(DiskOffload, CheckpointWriteErrorPublishesNothing) {
+  write_error_publishes_nothing(test_dir("ckpt-error"),
+                                [](const std::string& root) { return nvme_options(2, root); });
+}
+
+// The same with the parameters on disk too: the unit a failed save was reading is released,
+// its record untouched (Note [Checkpoints of parameters on disk]).
+TEST(DiskOffload, ParamsOnDiskCheckpointWriteErrorPublishesNothing) {
+  write_error_publishes_nothing(test_dir("params-ckpt-error"), params_nvme_options);
 }
 
 TEST(DiskOffload, OptionsAndConfig) {
