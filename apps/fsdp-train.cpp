@@ -213,7 +213,7 @@ class LanguageModel : public fsdp::LightningModule {
   fsdp::OptimizerConfig configure_optimizers() override {
     if (optimizer_ == "adamw") {
       return {std::make_shared<torch::optim::AdamW>(
-          parameters(), torch::optim::AdamWOptions(lr_).weight_decay(wd_).eps(eps_))};
+          parameters(), torch::optim::AdamWOptions(lr_).weight_decay(wd_).eps(eps_)), nullptr};
     }
     if (optimizer_ == "cpu_adam" || optimizer_ == "cpu_adamw") {
       // fsdp::optim::CPUAdam: libtorch's Adam / AdamW math in one fused vectorized pass.
@@ -221,14 +221,14 @@ class LanguageModel : public fsdp::LightningModule {
       o.lr = lr_;
       o.weight_decay = wd_;
       o.adamw_mode = optimizer_ == "cpu_adamw";
-      return {std::make_shared<fsdp::optim::CPUAdam>(parameters(), o)};
+      return {std::make_shared<fsdp::optim::CPUAdam>(parameters(), o), nullptr};
     }
     if (optimizer_ == "sgd") {
       return {std::make_shared<torch::optim::SGD>(
-          parameters(), torch::optim::SGDOptions(lr_).weight_decay(wd_))};
+          parameters(), torch::optim::SGDOptions(lr_).weight_decay(wd_)), nullptr};
     }
     return {std::make_shared<torch::optim::Adam>(
-        parameters(), torch::optim::AdamOptions(lr_).weight_decay(wd_).eps(eps_))};
+        parameters(), torch::optim::AdamOptions(lr_).weight_decay(wd_).eps(eps_)), nullptr};
   }
 
  private:

@@ -40,7 +40,7 @@ FsdpParam::FsdpParam(at::Tensor unsharded, Registration first, int shard_rank, i
                                                    " for CPU parameter '" + fqn() + "'");
   }
   TORCH_CHECK(unsharded_.is_contiguous() && unsharded_.storage_offset() == 0 &&
-                  static_cast<int64_t>(unsharded_.storage().nbytes()) == unsharded_.nbytes(),
+                  unsharded_.storage().nbytes() == unsharded_.nbytes(),
               "[FSDPStrategy] parameter '", fqn(), "' (shape ", unsharded_.sizes(),
               ") is a view into a larger storage or not contiguous; FSDP shards parameters that "
               "own their storage. HINT: register a contiguous tensor (e.g. .clone()).");
