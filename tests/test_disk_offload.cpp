@@ -49,6 +49,17 @@ fsdp::detail::SwapHeader read_swap_header(const std::string& file) {
   return h;
 }
 
+// Corrupts `file` in place: the byte at `offset` XOR `mask`.
+void flip_bits(const std::string& file, std::streamoff offset, char mask) {
+  std::fstream io(file, std::ios::in | std::ios::out | std::ios::binary);
+  io.seekg(offset);
+  char c = 0;
+  io.read(&c, 1);
+  c ^= mask;
+  io.seekp(offset);
+  io.write(&c, 1);
+}
+
 // A fresh directory for one test (the same path in every rank of it).
 std::string test_dir(const std::string& name) {
   fs::path d = fs::temp_directory_path() / "fsdp_disk_tests" / name;
@@ -371,13 +382,7 @@ TEST(DiskOffload, CorruptedOrStaleSwapFileIsDetected) {
     nvme.step(*toy.opt);
     nvme.flush();
     if (how == "flip") {  // one bit of exp_avg_sq flipped on disk
-      std::fstream io(f, std::ios::in | std::ios::out | std::ios::binary);
-      io.seekg(4096 + 3000);
-      char c = 0;
-      io.read(&c, 1);
-      c ^= 0x10;
-      io.seekp(4096 + 3000);
-      io.write(&c, 1);
+      flip_bits(f, 4096 + 3000, 0x10);
     } else if (how == "stale") {  // the previous step's record: a write that did not land
       fs::copy_file(saved, f, fs::copy_options::overwrite_existing);
     } else {
@@ -1120,13 +1125,7 @@ TEST(DiskOffload, ParamsOnDiskCorruptRecordIsDetected) {
     const auto files = run.strategy->param_swap_files();
     ASSERT_FALSE(files.empty());
     for (const auto& f : files) {  // every record: whichever unit is read first finds it
-      std::fstream io(f, std::ios::in | std::ios::out | std::ios::binary);
-      io.seekg(4096 + 40);
-      char c = 0;
-      io.read(&c, 1);
-      c ^= 0x04;
-      io.seekp(4096 + 40);
-      io.write(&c, 1);
+      flip_bits(f, 4096 + 40, 0x04);
     }
     pg.barrier();
     try {

@@ -244,35 +244,16 @@ TEST(FullyShardEngine, NamesAndOptionsParseInOnePlace) {
   EXPECT_THROW(fsdp::FSDPStrategy{sd}, c10::Error);
 }
 
-// World 1: the shard is the whole parameter; training must match plain libtorch exactly.
-TEST(FullyShardEngine, WorldOneMatchesPlainTraining) {
-  LoopConfig cfg;
-  cfg.steps = 4;
-  for (auto ss : {fsdp::ShardingStrategy::kFullShard, fsdp::ShardingStrategy::kShardGradOp,
-                  fsdp::ShardingStrategy::kNoShard}) {
-    TinyLM ref;
-    auto want = fsdp::testing::train_reference(ref, cfg);
-    TinyLM lm;
-    fsdp::FSDPOptions opts;
-    opts.sharding_strategy = ss;
-    opts.auto_wrap_policy = fsdp::AutoWrapPolicy::of_types(fsdp::demos::layer_types("transformer-tiny"));
-    fsdp::FSDPStrategy strategy(opts);
-    strategy.connect(nullptr, {});
-    auto got = fsdp::testing::train_with(strategy, lm, cfg);
-    fsdp::testing::expect_losses_close(got, want, 1e-6);
-    fsdp::testing::expect_params_close(strategy.gather_full_params(), ref, 1e-6);
-  }
-}
+// World 1 with `opts` (wrapped by transformer-tiny's layers) trains `steps` steps exactly as
+// plain libtorch does: the same losses and final parameters.
+namespace {
 
-// cpu_offload on a CPU device is the identity: the same losses and parameters as without it.
-TEST(FullyShardEngine, CpuOffloadIsTheIdentityOnCpu) {
+void expect_world_one_matches_plain(fsdp::FSDPOptions opts, int steps) {
   LoopConfig cfg;
-  cfg.steps = 3;
+  cfg.steps = steps;
   TinyLM ref;
   auto want = fsdp::testing::train_reference(ref, cfg);
   TinyLM lm;
-  fsdp::FSDPOptions opts;
-  opts.cpu_offload = true;
   opts.auto_wrap_policy = fsdp::AutoWrapPolicy::of_types(fsdp::demos::layer_types("transformer-tiny"));
   fsdp::FSDPStrategy strategy(opts);
   strategy.connect(nullptr, {});
@@ -280,6 +261,25 @@ TEST(FullyShardEngine, CpuOffloadIsTheIdentityOnCpu) {
   fsdp::testing::expect_losses_close(got, want, 1e-6);
   fsdp::testing::expect_params_close(strategy.gather_full_params(), ref, 1e-6);
   for (const auto& p : lm.parameters()) EXPECT_TRUE(p.device().is_cpu());
+}
+
+}  // namespace
+
+// World 1: the shard is the whole parameter; training must match plain libtorch exactly.
+TEST(FullyShardEngine, WorldOneMatchesPlainTraining) {
+  for (auto ss : {fsdp::ShardingStrategy::kFullShard, fsdp::ShardingStrategy::kShardGradOp,
+                  fsdp::ShardingStrategy::kNoShard}) {
+    fsdp::FSDPOptions opts;
+    opts.sharding_strategy = ss;
+    expect_world_one_matches_plain(opts, 4);
+  }
+}
+
+// cpu_offload on a CPU device is the identity: the same losses and parameters as without it.
+TEST(FullyShardEngine, CpuOffloadIsTheIdentityOnCpu) {
+  fsdp::FSDPOptions opts;
+  opts.cpu_offload = true;
+  expect_world_one_matches_plain(opts, 3);
 }
 
 // A trace of one step shows the hooks and collectives as profiler ranges (RECORD_FUNCTION), in
