@@ -32,7 +32,7 @@
 
 namespace fsdp {
 
-// What is sharded, and when parameters are resharded (DESIGN.md §3):
+// What is sharded, and when parameters are resharded (docs/design.md, "Decisions"):
 //   kFullShard        params, grads, optimizer state sharded over the world; reshard after forward
 //   kShardGradOp      as kFullShard, but parameters stay unsharded from forward until after backward
 //   kNoShard          replicate everything (like DDP): gradients are all-reduced (average)

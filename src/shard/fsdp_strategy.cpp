@@ -109,7 +109,7 @@ void FSDPStrategy::setup_module(LightningModule& module) {
     }
   }
 
-  // Shard and replicate groups. See DESIGN.md §3: sharding strategies are policies.
+  // Shard and replicate groups. See docs/design.md, "Decisions": sharding strategies are policies.
   ProcessGroupPtr shard_group, replicate_group;
   if (!world_ || world == 1) {
     shard_group = world_ ? world_ : detail::make_single_rank_group(world_rank);

@@ -1,5 +1,5 @@
-// The names FSDP accepts, parsed in one place each (DESIGN.md §5.3), and FSDPOptions turned
-// into the engine's configuration.
+// The names FSDP accepts, parsed in one place each (docs/design.md, "Decisions"), and
+// FSDPOptions turned into the engine's configuration.
 #include "shard/options.h"
 
 #include "common/text.h"

@@ -1,5 +1,5 @@
-// The strategy registry (DESIGN.md §5.3): the one parser of strategy names. It sits above the
-// strategies it names; none of them calls it.
+// The strategy registry (docs/design.md, "Decisions"): the one parser of strategy names. It
+// sits above the strategies it names; none of them calls it.
 #include "fsdp/strategy_registry.h"
 
 #include "common/text.h"
