@@ -79,30 +79,35 @@ std::string disk_job_name(const NvmeOffloadOptions& nvme, ProcessGroup* world) {
          std::to_string(t[1].item<int64_t>());
 }
 
-NvmeAdam::Options nvme_adam_options(const NvmeOffloadOptions& nvme, const DiskPlacement& at) {
-  NvmeAdam::Options o;
-  o.nvme_path = nvme.path;
+namespace {
+
+// The fields both swappers' options share: where the files go, the I/O, the message prefix.
+template <typename SwapperOptions>
+SwapperOptions placed(const NvmeOffloadOptions& disk, const DiskPlacement& at) {
+  SwapperOptions o;
+  o.nvme_path = disk.path;
   o.job = at.job;
   o.rank = at.rank;
   o.ranks_sharing_disk = std::max(1, at.ranks_sharing_disk);
-  o.sub_group_size = nvme.sub_group_size;
-  o.aio = nvme.aio;
+  o.aio = disk.aio;
   o.who = at.who;
   return o;
 }
 
-ParamSwapper::Options param_swapper_options(const NvmeOffloadOptions& nvme,
+}  // namespace
+
+NvmeAdam::Options nvme_adam_options(const NvmeOffloadOptions& disk, const DiskPlacement& at) {
+  auto o = placed<NvmeAdam::Options>(disk, at);
+  o.sub_group_size = disk.sub_group_size;
+  return o;
+}
+
+ParamSwapper::Options param_swapper_options(const NvmeOffloadOptions& disk,
                                             const DiskPlacement& at) {
-  ParamSwapper::Options o;
-  o.nvme_path = nvme.path;
-  o.job = at.job;
-  o.rank = at.rank;
-  o.ranks_sharing_disk = std::max(1, at.ranks_sharing_disk);
-  o.buffer_count = nvme.params_buffer_count;
-  o.buffer_size = nvme.params_buffer_size;
-  o.max_in_cpu = nvme.max_in_cpu;
-  o.aio = nvme.aio;
-  o.who = at.who;
+  auto o = placed<ParamSwapper::Options>(disk, at);
+  o.buffer_count = disk.params_buffer_count;
+  o.buffer_size = disk.params_buffer_size;
+  o.max_in_cpu = disk.max_in_cpu;
   return o;
 }
 
