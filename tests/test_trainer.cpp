@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "fsdp/fsdp.h"
+#include "testing.h"
 #include "train/progress_bar.h"
 
 #include <cmath>
@@ -89,14 +90,7 @@ fsdp::TrainerOptions quiet_options(const std::string& name) {
   return o;
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
-}
+using fsdp::testing::error_of;
 
 TEST(Trainer, FitRunsMaxStepsAndRecordsFiniteLosses) {
   auto data = corpus();

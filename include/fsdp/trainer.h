@@ -47,6 +47,10 @@
 
 namespace fsdp {
 
+namespace detail {
+struct Settings;  // src/common/settings.h
+}  // namespace detail
+
 // Seeds every random source a run uses: torch's global generator (parameter init, dropout,
 // shuffling through torch), std::rand, and the seed data samplers default to. Call it before
 // building models; the same seed on every rank gives every rank the same initial parameters.
@@ -109,7 +113,7 @@ struct TrainerOptions {
   std::string default_root_dir = "fsdp_logs";
   // >= 0: seed_everything(seed) before configure_model (same model on every rank).
   int64_t seed = -1;
-  // "auto" | "gloo" | "mpi". "auto" (env FSDP_BACKEND overrides it): mpi when launched by
+  // "auto" | "gloo" | "mpi". "auto" (FSDP_BACKEND overrides it): mpi when launched by
   // mpirun, or on one host when MPI is built and mpirun is on PATH (the program re-runs itself
   // through mpirun); gloo otherwise. Rank 0 prints the choice and why (README "Process groups").
   std::string process_group_backend = "auto";
@@ -252,6 +256,8 @@ class Trainer {
   void finish_fit(FitLoop& loop);
 
   TrainerOptions options_;
+  // The environment's settings as this Trainer's constructor read them (before launching).
+  std::unique_ptr<const detail::Settings> settings_;
   LaunchInfo launch_;
   ProcessGroupPtr world_;
   StrategyPtr strategy_;

@@ -1,6 +1,7 @@
 // Deferred initialization: units sharded while configure_model builds them. See include/fsdp/init.h.
 #include "shard/deferred_init.h"
 
+#include "common/settings.h"
 #include "fsdp/init.h"
 #include "fsdp/strategy.h"
 #include "shard/collectives.h"
@@ -11,7 +12,6 @@
 
 #include <c10/util/Exception.h>
 
-#include <cstdlib>
 #include <functional>
 #include <set>
 #include <unordered_map>
@@ -222,9 +222,7 @@ bool deferred_init_applies(const FSDPStrategy& strategy) {
   const FSDPOptions& options = strategy.options();
   const ShardingStrategy ss = options.sharding_strategy;
   // FSDP_DEFERRED_INIT=0 turns it off without recompiling (e.g. to compare setup peaks).
-  const char* env = std::getenv("FSDP_DEFERRED_INIT");
-  const bool env_off = env != nullptr && std::string(env) == "0";
-  return options.deferred_init && !env_off && strategy.world_size() > 1 &&
+  return options.deferred_init && read_settings().deferred_init && strategy.world_size() > 1 &&
          !options.sync_module_states &&
          (ss == ShardingStrategy::kFullShard || ss == ShardingStrategy::kShardGradOp);
 }

@@ -4,6 +4,7 @@
 // persistent parameters the engine ignores. See docs/design.md "ZeRO stages".
 #include "fsdp/deepspeed.h"
 
+#include "common/settings.h"
 #include "fsdp/activation_checkpointing.h"
 #include "fsdp/comm.h"
 
@@ -205,7 +206,7 @@ DeepSpeedStrategy::DeepSpeedStrategy(DeepSpeedOptions options)
   // replaces the defaults (and the preset's stage).
   std::string config = options_.config;
   if (config.empty()) {
-    if (const char* env = std::getenv("PL_DEEPSPEED_CONFIG_PATH"); env && *env) config = env;
+    config = detail::read_settings().deepspeed_config_path;  // PL_DEEPSPEED_CONFIG_PATH
   }
   if (!config.empty()) options_ = parse_deepspeed_config(config, &training_);
   check_options(options_);
@@ -454,8 +455,9 @@ void DeepSpeedStrategy::setup_optimizer(torch::optim::Optimizer& optimizer) {
   if (optimizer_on_disk(options_)) setup_disk_tier(optimizer);
 }
 
-// The job's name under nvme_path: FSDP_JOB_ID, else rank 0's pid and start time (broadcast, so
-// every rank of the job uses the same directory and concurrent jobs do not collide).
+// The job's name under nvme_path: the job id (Settings::job_id: FSDP_JOB_ID, torchrun's or
+// SLURM's), else rank 0's pid and start time (broadcast, so every rank of the job uses the same
+// directory and concurrent jobs do not collide).
 std::string DeepSpeedStrategy::disk_job_name() {
   if (!impl_->job.empty()) return impl_->job;
   impl_->job = make_disk_job_name();
@@ -463,7 +465,7 @@ std::string DeepSpeedStrategy::disk_job_name() {
 }
 
 std::string DeepSpeedStrategy::make_disk_job_name() {
-  if (const char* id = std::getenv("FSDP_JOB_ID"); id && *id) return id;
+  if (std::string id = detail::read_settings().job_id; !id.empty()) return id;
   at::Tensor t = at::tensor({static_cast<int64_t>(::getpid()),
                              static_cast<int64_t>(std::time(nullptr))}, at::kLong);
   if (world_size() > 1) world_->broadcast(t, 0);
