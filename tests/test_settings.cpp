@@ -1,7 +1,11 @@
 // Settings: every environment variable parsed from a given environment in one place, with one
-// sentence per bad value, one job id, one documented table.
+// sentence per bad value, one job id, one documented table. Injected hooks: the test-only
+// failure and the benchmark-only collectives are reached through hooks a program installs, and
+// the variables that once switched them on, left set, change nothing.
+#include "common/injected_hooks.h"
 #include "common/settings.h"
-#include "fsdp/trainer.h"
+#include "fsdp/checkpoint.h"
+#include "fully_shard_common.h"
 #include "testing.h"
 
 #include <gtest/gtest.h>
@@ -194,6 +198,117 @@ TEST(Settings, TheTrainerChecksTheEnvironmentFirst) {
     });
     EXPECT_NE(e.find(std::string(name) + "='" + value + "'"), std::string::npos) << e;
   }
+}
+
+// --- Injected hooks ---------------------------------------------------------------------
+
+// Installs hooks for one scope, then the no-op ones again.
+struct HooksGuard {
+  explicit HooksGuard(fsdp::detail::InjectedHooks hooks) {
+    fsdp::detail::install_injected_hooks(std::move(hooks));
+  }
+  ~HooksGuard() { fsdp::detail::install_injected_hooks({}); }
+};
+
+fsdp::testing::LoopConfig short_loop() {
+  fsdp::testing::LoopConfig cfg;
+  cfg.steps = 3;
+  return cfg;
+}
+
+std::shared_ptr<fsdp::FSDPStrategy> fsdp_by_layers() {
+  fsdp::FSDPOptions o;
+  o.auto_wrap_policy =
+      fsdp::AutoWrapPolicy::of_types(fsdp::demos::layer_types("transformer-tiny"));
+  return fsdp::testing::connect_to_world(std::make_shared<fsdp::FSDPStrategy>(o));
+}
+
+std::vector<double> reference_losses() {
+  fsdp::testing::TinyLM reference;
+  return fsdp::testing::train_reference(reference, short_loop());
+}
+
+std::string scratch(const std::string& name) {
+  const fs::path p = (fs::path(FSDP_BIN_DIR) / ".." / "settings-test" / name).lexically_normal();
+  if (!fsdp::testing::in_child_rank()) {
+    fs::remove_all(p);
+    fs::create_directories(p);
+  }
+  return p.string();
+}
+
+// FSDP_BENCH_COLLECTIVES=local once made FSDP's collectives move no data (and train to wrong
+// values); FSDP_TEST_CRASH_DURING_SAVE=<rank> once made that rank exit in the middle of a
+// checkpoint. Left set in the environment of every rank, they now change nothing.
+TEST(InjectedHooks, VariablesLeftSetChangeNothing) {
+  ScopedSetenv bench("FSDP_BENCH_COLLECTIVES", "local");
+  ScopedSetenv crash("FSDP_TEST_CRASH_DURING_SAVE", "1");
+  const std::vector<double> reference = reference_losses();
+  const std::string dir = scratch("left-set");
+  fsdp::testing::run_ranks(2, "gloo", [&](fsdp::ProcessGroup&) {
+    auto strategy = fsdp_by_layers();
+    fsdp::testing::TinyLM lm;
+    fsdp::testing::expect_losses_close(fsdp::testing::train_with(*strategy, lm, short_loop()),
+                                       reference);
+    fsdp::TrainingProgress progress;
+    progress.global_step = 3;
+    fsdp::save_checkpoint(dir + "/ckpt", *strategy, lm, nullptr, progress,
+                          fsdp::StateDictType::kSharded);
+  });
+  EXPECT_TRUE(fs::exists(dir + "/ckpt/metadata.json"));
+}
+
+// What fsdp-bench installs reaches FSDP's collectives: "serial" trains to the same values,
+// "local" (no data between ranks) to wrong ones.
+TEST(InjectedHooks, BenchCollectivesReachFsdp) {
+  const std::vector<double> reference = reference_losses();
+  fsdp::testing::run_ranks(2, "gloo", [&](fsdp::ProcessGroup&) {
+    for (auto mode : {fsdp::detail::BenchCollectives::kSerial, fsdp::detail::BenchCollectives::kLocal}) {
+      fsdp::detail::InjectedHooks hooks;
+      hooks.collectives = mode;
+      HooksGuard guard(hooks);
+      auto strategy = fsdp_by_layers();
+      fsdp::testing::TinyLM lm;
+      const auto losses = fsdp::testing::train_with(*strategy, lm, short_loop());
+      if (mode == fsdp::detail::BenchCollectives::kSerial) {
+        fsdp::testing::expect_losses_close(losses, reference);
+      } else {
+        double largest = 0;
+        for (size_t i = 0; i < losses.size(); ++i) {
+          largest = std::max(largest, std::abs(losses[i] - reference[i]));
+        }
+        EXPECT_GT(largest, 1e-3) << "collectives that move no data trained to the right values";
+      }
+    }
+  });
+}
+
+// The checkpoint hook runs on every rank once per save, after the rank wrote its first tensor
+// and before the checkpoint is published.
+TEST(InjectedHooks, CheckpointHookRunsMidSaveOnEveryRank) {
+  const std::string dir = scratch("hook");
+  fsdp::testing::run_ranks(2, "gloo", [&](fsdp::ProcessGroup& world) {
+    std::vector<std::pair<int, int64_t>> calls;
+    bool published_during_hook = false;
+    fsdp::detail::InjectedHooks hooks;
+    hooks.during_checkpoint_save = [&](int rank, int64_t step) {
+      calls.emplace_back(rank, step);
+      published_during_hook |= fs::exists(dir + "/ckpt/metadata.json");
+    };
+    HooksGuard guard(hooks);
+    auto strategy = fsdp_by_layers();
+    fsdp::testing::TinyLM lm;
+    fsdp::testing::LoopConfig cfg = short_loop();
+    cfg.steps = 1;
+    fsdp::testing::train_with(*strategy, lm, cfg);
+    fsdp::TrainingProgress progress;
+    progress.global_step = 5;
+    fsdp::save_checkpoint(dir + "/ckpt", *strategy, lm, nullptr, progress,
+                          fsdp::StateDictType::kSharded);
+    EXPECT_EQ(calls, (std::vector<std::pair<int, int64_t>>{{world.rank(), 5}}));
+    EXPECT_FALSE(published_during_hook);
+  });
+  EXPECT_TRUE(fs::exists(dir + "/ckpt/metadata.json"));
 }
 
 }  // namespace
