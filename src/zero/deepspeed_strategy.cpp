@@ -383,6 +383,10 @@ void DeepSpeedStrategy::exit_configure_model() {
   if (impl_->fsdp) impl_->fsdp->exit_configure_model();
 }
 
+void DeepSpeedStrategy::on_module_built(torch::nn::Module& module) {
+  if (impl_->fsdp) impl_->fsdp->on_module_built(module);
+}
+
 void DeepSpeedStrategy::configure_trainer(TrainerOptions& o) const {
   const DeepSpeedTrainingConfig& t = training_;
   if (t.precision) {
