@@ -517,7 +517,34 @@ TEST(Trainer, SeedEverythingMakesInitReproducible) {
   fsdp::seed_everything(11);
   b.configure_model();
   EXPECT_TRUE(at::equal(a.emb->weight, b.emb->weight));
-  EXPECT_EQ(fsdp::last_seed(), 11u);
+}
+
+// The seed is the Trainer's: it seeds with it before configure_model and reports it, and a
+// second Trainer in the same process that seeds nothing reports no seed.
+TEST(Trainer, HoldsTheSeedItGaveAndTwoTrainersDoNotShareIt) {
+  auto data = corpus();
+  auto val = loader(data);
+  TinyLM reference;
+  fsdp::seed_everything(11);
+  reference.configure_model();
+
+  auto o = quiet_options("seed");
+  o.seed = 11;
+  o.limit_val_batches = 2;
+  TinyLM seeded;
+  fsdp::Trainer first(o);
+  EXPECT_FALSE(first.seed().has_value()) << "nothing seeded before configure_model";
+  torch::manual_seed(12345);  // whatever the process's generator holds, the Trainer seeds it
+  first.validate(seeded, val);
+  EXPECT_EQ(first.seed(), std::optional<uint64_t>(11));
+  EXPECT_TRUE(at::equal(seeded.emb->weight, reference.emb->weight));
+
+  o.seed = -1;
+  TinyLM unseeded;
+  fsdp::Trainer second(o);
+  second.validate(unseeded, val);
+  EXPECT_FALSE(second.seed().has_value());
+  EXPECT_EQ(first.seed(), std::optional<uint64_t>(11));
 }
 
 }  // namespace

@@ -29,8 +29,6 @@
 namespace fsdp {
 namespace {
 
-uint64_t g_last_seed = 0;
-
 const std::vector<std::string> kAccelerators = {"cpu", "auto", "cuda", "gpu"};
 
 bool contains(const std::vector<std::string>& v, const std::string& x) {
@@ -141,10 +139,7 @@ double seconds_since(Clock::time_point t) { return seconds_between(t, Clock::now
 void seed_everything(uint64_t seed) {
   torch::manual_seed(seed);
   std::srand(static_cast<unsigned>(seed));
-  g_last_seed = seed;
 }
-
-uint64_t last_seed() { return g_last_seed; }
 
 std::vector<std::string> Trainer::precision_names() { return fsdp::precision_names(); }
 
@@ -216,7 +211,10 @@ void Trainer::print(const std::string& text) const {
 void Trainer::setup_model(LightningModule& module) {
   module.attach_trainer(this);
   if (configured_module_ == &module) return;
-  if (options_.seed >= 0) seed_everything(static_cast<uint64_t>(options_.seed));
+  if (options_.seed >= 0) {
+    seed_ = static_cast<uint64_t>(options_.seed);
+    seed_everything(*seed_);
+  }
   // Precision (fsdp/precision.h), before configure_model (which may already shard): a strategy
   // may carry it out itself (FSDP: bf16-mixed / 16-mixed is its MixedPrecisionPolicy);
   // otherwise bf16-mixed / 16-mixed run the steps under CPU autocast, and bf16-true / 16-true /
