@@ -158,6 +158,9 @@ class DeepSpeedStrategy : public Strategy {
   // while configure_model builds it (deferred init: no rank holds the whole model).
   void enter_configure_model() override;
   void exit_configure_model() override;
+  // The finished layers go to that engine (fsdp::wrap is not DeepSpeed's: every module with
+  // parameters is a unit at stage 3, and stages 1-2 have none).
+  void on_module_built(torch::nn::Module& module) override;
   void setup_module(LightningModule& module) override;
   // The config's optimizer (and scheduler) over the set-up module's parameters, replacing the
   // module's own (Lightning: a config optimizer wins).

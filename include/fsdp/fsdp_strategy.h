@@ -201,8 +201,10 @@ class FSDPStrategy : public Strategy {
   // Every parameter split over the shard group, with its full shape and this rank's rows.
   LocalShards local_shards() override;
 
-  // Registered by fsdp::wrap during configure_model.
-  void mark_unit(fsdp::nn::Module& module);
+  // During configure_model: a finished layer (deferred init shards the units the policy selects
+  // in it) and a manually wrapped unit (fsdp::wrap).
+  void on_module_built(torch::nn::Module& module) override;
+  void on_module_wrapped(fsdp::nn::Module& module) override;
   bool has_manual_wraps() const;
 
   // --- introspection for tests and tools (valid after setup_module or plan_module).
@@ -251,9 +253,9 @@ class FSDPStrategy : public Strategy {
 std::vector<std::string> fsdp_strategy_names();
 std::shared_ptr<FSDPStrategy> make_fsdp_strategy(const std::string& name, FSDPOptions options = {});
 
-// Manual wrapping inside configure_model: marks `module` as a unit when the active strategy is
-// an FSDPStrategy, does nothing otherwise. A model with manual wraps is not re-wrapped by the
-// auto-wrap policy. Returns the module.
+// Manual wrapping inside configure_model: marks `module` as a unit when the strategy running
+// configure_model is an FSDPStrategy, does nothing otherwise. A model with manual wraps is not
+// re-wrapped by the auto-wrap policy. Returns the module.
 template <typename M>
 std::shared_ptr<M> wrap(std::shared_ptr<M> module);
 void wrap_module(fsdp::nn::Module& module);

@@ -40,6 +40,9 @@
 
 namespace fsdp {
 
+namespace nn {
+class Module;  // fsdp/nn.h
+}  // namespace nn
 class LightningModule;
 struct OptimizerConfig;
 struct TrainerOptions;
@@ -142,9 +145,14 @@ class Strategy {
     launch_ = launch;
   }
 
-  // Active while configure_model runs (fsdp::wrap() asks the active strategy what to do).
+  // Around module.configure_model() (configure_model_with).
   virtual void enter_configure_model() {}
   virtual void exit_configure_model() {}
+  // While configure_model runs under this strategy, what the model's construction says: a
+  // finished layer (fsdp::nn::built) and a module to wrap as a unit (fsdp::wrap). Default:
+  // nothing. See Note [Configure-model scope] in src/train/strategy.cpp.
+  virtual void on_module_built(torch::nn::Module& module) {}
+  virtual void on_module_wrapped(fsdp::nn::Module& module) {}
 
   // The Trainer's precision, before configure_model. Returns true when the strategy carries it
   // out itself (FSDP: "bf16-mixed" / "16-mixed" become its MixedPrecisionPolicy); false leaves
@@ -225,11 +233,10 @@ using StrategyPtr = std::shared_ptr<Strategy>;
 double clip_grad_norm_of_parts(const std::vector<at::Tensor>& grads, ProcessGroup& group,
                                double max_norm);
 
-// The strategy whose configure_model context is active (nullptr outside configure_model).
-Strategy* active_strategy();
-
-// Strategy-driven configure_model: active_strategy() returns `strategy` while
-// strategy.enter_configure_model(), module.configure_model() and exit_configure_model() run.
+// Strategy-driven configure_model, as the Trainer runs it: strategy.enter_configure_model(),
+// module.configure_model(), strategy.exit_configure_model(); fsdp::nn::built and fsdp::wrap
+// called meanwhile on this thread reach `strategy` (on_module_built / on_module_wrapped). It
+// must not nest. See Note [Configure-model scope] in src/train/strategy.cpp.
 void configure_model_with(Strategy& strategy, LightningModule& module);
 
 }  // namespace fsdp

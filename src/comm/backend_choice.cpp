@@ -69,12 +69,13 @@ BackendChoice choose_backend(const BackendFacts& f) {
   return c;
 }
 
-BackendFacts backend_facts(const std::string& requested, int devices, int num_nodes) {
+BackendFacts backend_facts(const std::string& requested, int devices, int num_nodes,
+                           const Settings& settings) {
   BackendFacts f;
   f.requested = requested;
   f.mpi_built = mpi_built();
   f.mpirun_found = !find_on_path("mpirun").empty();
-  LaunchInfo info = launch_info_from_env();
+  const LaunchInfo& info = settings.launch;
   f.launcher = info.source;
   if (info.source == "none") {
     f.num_nodes = num_nodes;

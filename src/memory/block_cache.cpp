@@ -1,5 +1,6 @@
 #include "memory/block_cache.h"
 
+#include "common/settings.h"
 #include "fsdp/memory.h"
 
 #include <c10/core/impl/alloc_cpu.h>
@@ -39,7 +40,6 @@ namespace fsdp::detail {
 namespace {
 
 constexpr size_t kPage = 4096;
-constexpr int64_t kDefaultLimit = int64_t{512} << 20;
 
 struct Cache {
   std::mutex mu;
@@ -52,18 +52,7 @@ struct Cache {
   std::unordered_map<size_t, std::vector<std::list<std::pair<size_t, void*>>::iterator>> by_size;
 
   int64_t limit_locked() {
-    if (limit < 0) {
-      limit = kDefaultLimit;
-      if (const char* env = std::getenv("FSDP_ALLOC_CACHE"); env && *env) {
-        try {
-          limit = parse_bytes(env);
-        } catch (const c10::Error& e) {
-          TORCH_CHECK(false, "[memory] FSDP_ALLOC_CACHE='", env,
-                      "' is not a byte count (e.g. 512MiB, 0 to turn the cache off): ",
-                      e.what_without_backtrace());
-        }
-      }
-    }
+    if (limit < 0) limit = read_settings().alloc_cache_bytes;  // FSDP_ALLOC_CACHE
     return limit;
   }
 

@@ -21,8 +21,10 @@ struct DiskPlacement {
   std::string who;             // message prefix, e.g. "[deepspeed]"
 };
 
-// The job's directory name: disk.job, else FSDP_JOB_ID, else rank 0's pid and start time
-// broadcast over `world` (a collective when it has 2+ ranks and no name is given).
+// The job's directory name: disk.job, else the job id (Settings::job_id: FSDP_JOB_ID, torchrun's
+// or SLURM's), else rank 0's pid and start time broadcast over `world` (a collective when it has
+// 2+ ranks and no name is given), so every rank of the job uses the same directory and
+// concurrent jobs do not collide.
 std::string disk_job_name(const NvmeOffloadOptions& nvme, ProcessGroup* world);
 
 NvmeAdam::Options nvme_adam_options(const NvmeOffloadOptions& nvme, const DiskPlacement& at);

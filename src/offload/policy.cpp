@@ -4,11 +4,12 @@
 
 #include "offload/disk_tier.h"
 
+#include "common/settings.h"
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <ctime>
 #include <unistd.h>
 
@@ -71,7 +72,7 @@ namespace detail {
 
 std::string disk_job_name(const NvmeOffloadOptions& nvme, ProcessGroup* world) {
   if (!nvme.job.empty()) return nvme.job;
-  if (const char* id = std::getenv("FSDP_JOB_ID"); id && *id) return id;
+  if (std::string id = read_settings().job_id; !id.empty()) return id;
   at::Tensor t = at::tensor({static_cast<int64_t>(::getpid()),
                              static_cast<int64_t>(std::time(nullptr))}, at::kLong);
   if (world && world->size() > 1) world->broadcast(t, 0);

@@ -7,6 +7,7 @@
 #include "fsdp/activation_checkpointing.h"
 #include "fsdp/lightning.h"
 #include "fsdp/memory.h"
+#include "nn/construction_scope.h"
 #include "offload/disk_tier.h"
 #include "shard/collectives.h"
 #include "shard/deferred_init.h"
@@ -25,9 +26,7 @@
 
 namespace fsdp {
 
-void wrap_module(fsdp::nn::Module& module) {
-  if (auto* fsdp = dynamic_cast<FSDPStrategy*>(active_strategy())) fsdp->mark_unit(module);
-}
+void wrap_module(fsdp::nn::Module& module) { detail::notify_wrap(module); }
 
 FSDPStrategy::FSDPStrategy(FSDPOptions options)
     : options_(std::move(options)), impl_(std::make_unique<Impl>()) {
@@ -43,7 +42,11 @@ void FSDPStrategy::enter_configure_model() {
 
 void FSDPStrategy::exit_configure_model() { detail::end_deferred_init(*this); }
 
-void FSDPStrategy::mark_unit(fsdp::nn::Module& module) {
+void FSDPStrategy::on_module_built(torch::nn::Module& module) {
+  if (impl_->deferred) impl_->deferred->on_built(module);
+}
+
+void FSDPStrategy::on_module_wrapped(fsdp::nn::Module& module) {
   auto& manual = impl_->manual_units;
   if (std::find(manual.begin(), manual.end(), &module) == manual.end()) {
     manual.push_back(&module);

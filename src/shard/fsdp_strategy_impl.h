@@ -28,9 +28,6 @@ struct FSDPStrategy::Impl {
   // the state's swapper, so it goes first.
   std::unique_ptr<detail::NvmeAdam> nvme;
   std::string job;  // the disk tier's directory under disk.path: decided once (a collective)
-  // The strategy running this engine (DeepSpeedStrategy, stage 3): fsdp::active_strategy()
-  // while its configure_model runs, so deferred init shards for it.
-  const Strategy* outer = nullptr;
 };
 
 namespace detail {

@@ -4,6 +4,7 @@
 // persistent parameters the engine ignores. See docs/design.md "ZeRO stages".
 #include "fsdp/deepspeed.h"
 
+#include "common/settings.h"
 #include "fsdp/activation_checkpointing.h"
 #include "fsdp/comm.h"
 
@@ -13,7 +14,6 @@
 #include "fsdp/trainer.h"
 #include "offload/disk_tier.h"
 #include "offload/nvme_adam.h"
-#include "shard/fsdp_strategy_impl.h"
 #include "zero/partitioner.h"
 #include "zero/warmup_lr.h"
 
@@ -223,7 +223,7 @@ DeepSpeedStrategy::DeepSpeedStrategy(DeepSpeedOptions options)
   // replaces the defaults (and the preset's stage).
   std::string config = options_.config;
   if (config.empty()) {
-    if (const char* env = std::getenv("PL_DEEPSPEED_CONFIG_PATH"); env && *env) config = env;
+    config = detail::read_settings().deepspeed_config_path;  // PL_DEEPSPEED_CONFIG_PATH
   }
   if (!config.empty()) options_ = parse_deepspeed_config(config, &training_);
   check_options(options_);
@@ -348,7 +348,6 @@ void DeepSpeedStrategy::make_stage3_engine(const FSDPOptions& fo) {
   auto fsdp = std::make_shared<FSDPStrategy>(fo);
   fsdp->set_name(name_);
   fsdp->connect(world_, launch_);
-  fsdp->impl().outer = this;
   impl_->fsdp = fsdp;
 }
 
@@ -365,6 +364,10 @@ void DeepSpeedStrategy::enter_configure_model() {
 
 void DeepSpeedStrategy::exit_configure_model() {
   if (impl_->fsdp) impl_->fsdp->exit_configure_model();
+}
+
+void DeepSpeedStrategy::on_module_built(torch::nn::Module& module) {
+  if (impl_->fsdp) impl_->fsdp->on_module_built(module);
 }
 
 void DeepSpeedStrategy::configure_trainer(TrainerOptions& o) const {
