@@ -200,9 +200,6 @@ class DeepSpeedStrategy : public Strategy {
 
  private:
   void setup_activation_partitioning(LightningModule& module);
-  std::string disk_job_name();
-  std::string make_disk_job_name();
-  void setup_params_on_disk();
   FSDPOptions stage3_engine_options(bool deferred) const;
   void make_stage3_engine(const FSDPOptions& options);
   void setup_disk_tier(torch::optim::Optimizer& optimizer);

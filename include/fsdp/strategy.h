@@ -40,9 +40,6 @@
 
 namespace fsdp {
 
-namespace detail {
-class ParamResidency;  // src/offload/param_residency.h
-}  // namespace detail
 class LightningModule;
 struct OptimizerConfig;
 struct TrainerOptions;
@@ -76,6 +73,20 @@ struct LocalShard {
   at::Tensor param;
 };
 
+// Shards whose values a strategy keeps away from memory between uses (pages out), e.g. on
+// disk: whoever reads or writes such a shard outside the training step (the checkpointer)
+// brings it in first and hands it back after. Calls nest (counted).
+class ShardPager {
+ public:
+  virtual ~ShardPager() = default;
+  // True when `local`'s values may be away (page_in before reading or writing them).
+  virtual bool pages(const at::Tensor& local) const = 0;
+  // Blocks until `local`'s values are in its storage.
+  virtual void page_in(const at::Tensor& local) = 0;
+  // Done with `local`; `modified`: its values changed (they are written back).
+  virtual void page_out(const at::Tensor& local, bool modified) = 0;
+};
+
 // How this rank holds the model's parameters.
 struct LocalShards {
   // The ranks a sharded parameter is split over; null when nothing is split.
@@ -85,11 +96,11 @@ struct LocalShards {
   int replica_rank = 0;
   // The sharded parameters; every other parameter and buffer is held whole by every rank.
   std::vector<LocalShard> params;
-  // Set when a sharded parameter's values may be away from RAM (parameters on disk: DeepSpeed
-  // stage 3 with offload_param device "nvme"). A `local` it manages holds its values only
-  // between residency->acquire_outside_step(local) and residency->release(local, modified);
-  // checkpoints hold one unit at a time. See Note [Checkpoints of parameters on disk].
-  detail::ParamResidency* residency = nullptr;
+  // Set when a sharded parameter's values may be away from memory (an OffloadPolicy with
+  // parameters on disk). A `local` it pages holds its values only between
+  // pager->page_in(local) and pager->page_out(local, modified); checkpoints hold one unit at a
+  // time. See Note [Checkpoints of parameters on disk] in docs/design.md.
+  ShardPager* pager = nullptr;
 };
 
 // Optimizer state that a strategy keeps outside the optimizer's state() (the disk tier's

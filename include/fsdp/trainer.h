@@ -14,10 +14,10 @@
 //   trainer.fit(model, train_loader);
 //   trainer.print(fsdp::memory_summary());
 //
-// Ranks are processes (DESIGN.md §3): constructing a Trainer with devices > 1 re-executes the
-// program devices-1 times (fsdp::launch), so every rank runs main() up to this point again and
-// then the same fit(). Code before the Trainer runs in every rank as well (each rank re-executes
-// main()); seed before building models so every rank builds the same one.
+// Ranks are processes (docs/design.md, "Decisions"): constructing a Trainer with devices > 1
+// re-executes the program devices-1 times (fsdp::launch), so every rank runs main() up to this
+// point again and then the same fit(). Code before the Trainer runs in every rank as well (each
+// rank re-executes main()); seed before building models so every rank builds the same one.
 //
 // Lightning conventions kept here:
 //   - batch_size is per rank: the Trainer gives the loader a DistributedSampler for its rank and

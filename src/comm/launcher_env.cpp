@@ -200,7 +200,8 @@ std::string find_on_path(const std::string& program) {
 // joined into one world afterwards (MPI_Comm_connect/accept needs an ompi-server and is not
 // what users run). So the program re-executes itself through `mpirun -n N`, which is also the
 // fastest correct path on one host: mpirun's ranks talk through OpenMPI's shared-memory
-// transport (vader), 2-5x Gloo's loopback TCP (DESIGN.md §2). Flags:
+// transport (vader), several times Gloo's loopback TCP
+// (docs/benchmarks/collectives_cpu-2core_2026-11-22.md). Flags:
 //  --oversubscribe      allow more ranks than cores (tests run 4 ranks on 2 cores);
 //  --bind-to none       our ranks size their own thread pools; OpenMPI's default core binding
 //                       would pin a rank's intra-op threads to one core;

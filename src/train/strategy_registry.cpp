@@ -1,5 +1,6 @@
-// The strategy registry: the one parser of strategy names, and the family of options each name
-// is built from. It sits above the strategies it names; none of them calls it.
+// The strategy registry (docs/design.md, "Decisions"): the one parser of strategy names, and the
+// family of options each name is built from. It sits above the strategies it names; none of
+// them calls it.
 #include "fsdp/strategy_registry.h"
 
 #include "common/text.h"
