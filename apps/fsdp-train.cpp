@@ -77,8 +77,9 @@ struct Args {
 // --dry-run: every strategy's per-rank model state for the model, built on the meta device.
 int dry_run(const Args& a, const CommonFlags& flags) {
   fsdp::app::ModelSpec spec = a.model;
+  const fsdp::TrainerOptions& t = a.common.trainer;
   spec.vocab_size = a.data.data == "wikitext2"
-                        ? fsdp::app::load_data(a.data, spec.name, a.common.trainer, a.world()).vocab_size
+                        ? fsdp::app::load_data(a.data, spec.name, t, a.world()).vocab_size
                         : fsdp::app::synthetic_vocab_size(a.data, spec.name);
   std::shared_ptr<fsdp::nn::Module> model;
   {
@@ -86,7 +87,6 @@ int dry_run(const Args& a, const CommonFlags& flags) {
     model = fsdp::app::build_model(spec);
   }
   const int64_t params = fsdp::app::count_parameters(*model);
-  const fsdp::TrainerOptions& t = a.common.trainer;
   const fsdp::StrategyOptions options = flags.strategy_options(spec.layer_types());
   const auto rows = fsdp::app::plan_strategies(*model, options, a.world(), t.devices, t.num_nodes);
   std::cout << "[fsdp-train] dry run: model " << spec.name << ", " << fsdp::app::with_commas(params)
@@ -99,9 +99,8 @@ int dry_run(const Args& a, const CommonFlags& flags) {
   // included), else as the DeepSpeed flags ask.
   fsdp::DeepSpeedOptions disk = options.deepspeed;
   if (flags.family() == fsdp::StrategyFamily::kDeepSpeed) {
-    if (auto ds = std::dynamic_pointer_cast<fsdp::DeepSpeedStrategy>(flags.make_strategy(options))) {
-      disk = ds->options();
-    }
+    auto strategy = flags.make_strategy(options);
+    if (auto ds = std::dynamic_pointer_cast<fsdp::DeepSpeedStrategy>(strategy)) disk = ds->options();
   }
   const bool disk_fits = fsdp::app::print_disk_plans(*model, disk, a.world(), t.devices);
   const int64_t rss = fsdp::peak_rss_bytes();

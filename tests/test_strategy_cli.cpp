@@ -19,16 +19,8 @@
 namespace {
 
 using fsdp::StrategyFamily;
+using fsdp::testing::error_of;
 using fsdp::testing::run_process;
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
-}
 
 // A strategy the programs have never heard of: FSDP's engine under a name that does not start
 // with "fsdp", so nothing but its registered family can give it the FSDP flags.
@@ -98,14 +90,16 @@ TEST(StrategyRegistry, EveryNameHasTheFamilyItsParserKnowsAndBuildsFromItsOption
   o.ddp.bucket_cap_mb = 5;
   o.fsdp.limit_all_gathers = true;
   o.deepspeed.reduce_bucket_size = 1234;
-  auto ddp = std::dynamic_pointer_cast<fsdp::DDPStrategy>(fsdp::make_strategy("ddp", o));
+  using std::dynamic_pointer_cast;
+  auto ddp = dynamic_pointer_cast<fsdp::DDPStrategy>(fsdp::make_strategy("ddp", o));
   ASSERT_TRUE(ddp);
   EXPECT_EQ(ddp->options().bucket_cap_mb, 5);
-  auto fsdp_s = std::dynamic_pointer_cast<fsdp::FSDPStrategy>(fsdp::make_strategy("fsdp_no_shard", o));
+  auto fsdp_s = dynamic_pointer_cast<fsdp::FSDPStrategy>(fsdp::make_strategy("fsdp_no_shard", o));
   ASSERT_TRUE(fsdp_s);
   EXPECT_TRUE(fsdp_s->options().limit_all_gathers);
   EXPECT_EQ(fsdp_s->options().sharding_strategy, fsdp::ShardingStrategy::kNoShard);
-  auto ds = std::dynamic_pointer_cast<fsdp::DeepSpeedStrategy>(fsdp::make_strategy("deepspeed_stage_1", o));
+  auto ds =
+      dynamic_pointer_cast<fsdp::DeepSpeedStrategy>(fsdp::make_strategy("deepspeed_stage_1", o));
   ASSERT_TRUE(ds);
   EXPECT_EQ(ds->options().reduce_bucket_size, 1234);
   EXPECT_EQ(ds->options().stage, 1);
@@ -121,7 +115,8 @@ TEST(StrategyRegistry, EveryNameHasTheFamilyItsParserKnowsAndBuildsFromItsOption
 TEST(StrategyRegistry, RegistrationRefusesTakenEmptyAndIncompleteEntries) {
   register_twin();
   const auto make = [](const fsdp::StrategyOptions&) -> fsdp::StrategyPtr { return nullptr; };
-  std::string e = error_of([&] { fsdp::register_strategy({"ddp", "again", StrategyFamily::kDDP, make}); });
+  std::string e =
+      error_of([&] { fsdp::register_strategy({"ddp", "again", StrategyFamily::kDDP, make}); });
   EXPECT_NE(e.find("'ddp' is already registered"), std::string::npos) << e;
   e = error_of([&] { fsdp::register_strategy({kTwin, "again", StrategyFamily::kFSDP, make}); });
   EXPECT_NE(e.find("already registered"), std::string::npos) << e;
@@ -202,7 +197,8 @@ TEST(StrategyCli, FamilyFlagsAreRefusedBesideAnotherFamilysStrategy) {
        "--ddp-comm-hook applies to --strategy ddp (got --strategy deepspeed with 1 rank(s))"},
       {{"--strategy", "single", "--static-graph"}, "--static-graph applies to --strategy ddp"},
       // Each family's own flags.
-      {{"--strategy", "fsdp_hybrid_shard", "--hybrid-shard-size", "1", "--wrap-policy", "none"}, ""},
+      {{"--strategy", "fsdp_hybrid_shard", "--hybrid-shard-size", "1", "--wrap-policy", "none"},
+       ""},
       {{"--devices", "2", "--bucket-cap-mb", "5", "--ddp-comm-hook", "fp16_compress"}, ""},
       {{"--strategy", "deepspeed_stage_3", "--offload-params-device", "nvme",
         "--offload-optimizer-device", "nvme", "--nvme-path", "/tmp"}, ""},
@@ -241,9 +237,9 @@ TEST(StrategyCli, FinetuneOffersSingleDdpAndFsdpOnly) {
     auto code = cli.parse({"--strategy", name});
     EXPECT_EQ(code, deepspeed ? std::optional<int>(2) : std::nullopt) << name << cli.stderr_text;
     if (deepspeed) {
-      EXPECT_NE(cli.stderr_text.find("--strategy: '" + name + "' is not one of: auto, single, ddp, fsdp"),
-                std::string::npos)
-          << cli.stderr_text;
+      const std::string refusal =
+          "--strategy: '" + name + "' is not one of: auto, single, ddp, fsdp";
+      EXPECT_NE(cli.stderr_text.find(refusal), std::string::npos) << cli.stderr_text;
     }
   }
   Cli cli(finetune_spec());  // no family flags in fsdp-finetune: its model picks them
@@ -289,7 +285,8 @@ TEST(StrategyCli, TrainRefusesAnotherFamilysFlagBeforeStartingAnything) {
     argv.insert(argv.end(), args.begin(), args.end());
     auto r = run_process(argv, {}, 120);
     EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
-    EXPECT_NE(r.err.find(message), std::string::npos) << "expected: " << message << "\ngot: " << r.err;
+    EXPECT_NE(r.err.find(message), std::string::npos)
+        << "expected: " << message << "\ngot: " << r.err;
     EXPECT_EQ(lines(r.err), 1) << r.err;
   }
 }

@@ -89,6 +89,8 @@ class CommonFlags {
     StrategyFamily family;
     std::vector<CLI::Option*> options;
   };
+  // The flags of one family, under a help heading that names its strategies.
+  void add_family(StrategyFamily family, std::vector<CLI::Option*> options);
   void add_fsdp_flags(CLI::App& app);
   void add_ddp_flags(CLI::App& app);
   void add_deepspeed_flags(CLI::App& app);

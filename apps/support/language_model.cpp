@@ -54,37 +54,33 @@ void LanguageModel::configure_model() {
 }
 
 at::Tensor LanguageModel::training_step(const Batch& batch, int64_t) {
-  at::Tensor loss = loss_of(batch);
-  // sync_dist: the global mean, carried by the Trainer's one per-step all-reduce.
-  LogOptions o;
-  o.sync_dist = true;
-  log("train_loss", loss, o);
-  return loss;
+  return logged_loss(batch, "train_loss", /*prog_bar=*/false);
 }
 
 at::Tensor LanguageModel::validation_step(const Batch& batch, int64_t) {
-  at::Tensor loss = loss_of(batch);
-  LogOptions o;
-  o.prog_bar = true;
-  o.sync_dist = true;
-  log("val_loss", loss, o);
-  return loss;
+  return logged_loss(batch, "val_loss", /*prog_bar=*/true);
 }
 
 at::Tensor LanguageModel::test_step(const Batch& batch, int64_t) {
-  at::Tensor loss = loss_of(batch);
+  return logged_loss(batch, "test_loss", /*prog_bar=*/false);
+}
+
+at::Tensor LanguageModel::logged_loss(const Batch& batch, const std::string& name, bool prog_bar) {
+  at::Tensor logp = (*model_)(batch.input, batch.target);  // (B*T, vocab)
+  at::Tensor loss = at::nll_loss(logp, batch.target.reshape(-1));
+  // sync_dist: the global mean, carried by the Trainer's one per-step all-reduce.
   LogOptions o;
+  o.prog_bar = prog_bar;
   o.sync_dist = true;
-  log("test_loss", loss, o);
+  log(name, loss, o);
   return loss;
 }
 
 OptimizerConfig LanguageModel::configure_optimizers() {
   const OptimizerSpec& o = optimizer_;
   if (o.name == "adamw") {
-    return {std::make_shared<torch::optim::AdamW>(
-                parameters(), torch::optim::AdamWOptions(o.lr).weight_decay(o.weight_decay).eps(o.adam_eps)),
-            nullptr};
+    auto options = torch::optim::AdamWOptions(o.lr).weight_decay(o.weight_decay).eps(o.adam_eps);
+    return {std::make_shared<torch::optim::AdamW>(parameters(), options), nullptr};
   }
   if (o.name == "cpu_adam" || o.name == "cpu_adamw") {
     // fsdp::optim::CPUAdam: libtorch's Adam / AdamW math in one fused vectorized pass.
@@ -99,14 +95,8 @@ OptimizerConfig LanguageModel::configure_optimizers() {
                 parameters(), torch::optim::SGDOptions(o.lr).weight_decay(o.weight_decay)),
             nullptr};
   }
-  return {std::make_shared<torch::optim::Adam>(
-              parameters(), torch::optim::AdamOptions(o.lr).weight_decay(o.weight_decay).eps(o.adam_eps)),
-          nullptr};
-}
-
-at::Tensor LanguageModel::loss_of(const Batch& batch) {
-  at::Tensor logp = (*model_)(batch.input, batch.target);  // (B*T, vocab)
-  return at::nll_loss(logp, batch.target.reshape(-1));
+  auto options = torch::optim::AdamOptions(o.lr).weight_decay(o.weight_decay).eps(o.adam_eps);
+  return {std::make_shared<torch::optim::Adam>(parameters(), options), nullptr};
 }
 
 int64_t synthetic_vocab_size(const DataSpec& spec, const std::string& model) {

@@ -48,7 +48,8 @@ class LanguageModel : public LightningModule {
   OptimizerConfig configure_optimizers() override;
 
  private:
-  at::Tensor loss_of(const Batch& batch);
+  // nll_loss of the batch, logged as `name` (the global mean over ranks).
+  at::Tensor logged_loss(const Batch& batch, const std::string& name, bool prog_bar);
 
   ModelSpec spec_;
   OptimizerSpec optimizer_;

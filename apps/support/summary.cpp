@@ -30,8 +30,8 @@ void StepCosts::on_train_batch_end(Trainer& trainer, LightningModule&, int64_t) 
 void StepCosts::on_train_end(Trainer& trainer, LightningModule&) {
   const int64_t steps = start_step_ < 0 ? 0 : trainer.global_step() - start_step_;
   const Usage end = now();
-  at::Tensor mine = at::tensor({end.minor_faults - start_.minor_faults, end.user_us - start_.user_us,
-                                end.sys_us - start_.sys_us},
+  at::Tensor mine = at::tensor({end.minor_faults - start_.minor_faults,
+                                end.user_us - start_.user_us, end.sys_us - start_.sys_us},
                                at::kLong);
   at::Tensor all = at::empty({3 * trainer.world_size()}, at::kLong);
   trainer.world()->all_gather_into_tensor(all, mine);
