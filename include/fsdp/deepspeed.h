@@ -45,7 +45,7 @@ struct DeepSpeedOptions {
   bool zero_optimization = true;  // false (plain DeepSpeed data parallel): use "ddp" instead
   int stage = 2;                  // 1 | 2 | 3
   // "cpu" places parameters and optimizer state in host memory (where they already are on a
-  // CPU device); "nvme" is the disk tier (fsdp/offload.h, README "Disk tier (NVMe offload)"):
+  // CPU device); "nvme" is the disk tier (fsdp/offload.h, docs/offload.md):
   // offload_optimizer_device = "nvme" streams Adam's moments from swap files under nvme_path;
   // offload_params_device = "nvme" (or remote_device = "nvme"; stage 3, with the optimizer on
   // nvme too) keeps each unit's shard of the parameters in a swap file, read before its

@@ -115,7 +115,7 @@ struct TrainerOptions {
   int64_t seed = -1;
   // "auto" | "gloo" | "mpi". "auto" (FSDP_BACKEND overrides it): mpi when launched by
   // mpirun, or on one host when MPI is built and mpirun is on PATH (the program re-runs itself
-  // through mpirun); gloo otherwise. Rank 0 prints the choice and why (README "Process groups").
+  // through mpirun); gloo otherwise. Rank 0 prints the choice and why (docs/process_groups.md).
   std::string process_group_backend = "auto";
   bool logger = true;              // false: no CSV file
   bool enable_summary = true;      // end-of-run summary (it/s, memory table) on rank 0
