@@ -96,8 +96,9 @@ int dry_run(const Args& a, const CommonFlags& flags) {
             << "; nothing allocated (meta device)" << std::endl;
   fsdp::app::print_plan(rows);
   // The disk tier as the run's strategy would set it up (a DeepSpeed preset's own offload
-  // included), else as the DeepSpeed flags ask.
+  // included), else as the offload flags ask; FSDP shards every parameter (no persistent ones).
   fsdp::DeepSpeedOptions disk = options.deepspeed;
+  if (flags.family() == fsdp::StrategyFamily::kFSDP) disk.stage3_param_persistence_threshold = 0;
   if (flags.family() == fsdp::StrategyFamily::kDeepSpeed) {
     auto strategy = flags.make_strategy(options);
     if (auto ds = std::dynamic_pointer_cast<fsdp::DeepSpeedStrategy>(strategy)) disk = ds->options();

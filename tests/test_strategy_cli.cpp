@@ -6,10 +6,12 @@
 #include <gtest/gtest.h>
 
 #include "cli.h"
+#include "disk_test_util.h"
 #include "support/flags.h"
 #include "testing.h"
 
 #include <fsdp/fsdp.h>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <filesystem>
@@ -177,6 +179,15 @@ TEST(StrategyCli, FamilyFlagsAreRefusedBesideAnotherFamilysStrategy) {
   const std::string ds_names = fsdp::app::strategy_flag_for(StrategyFamily::kDeepSpeed);
   EXPECT_NE(fsdp_names.find("--strategy fsdp, fsdp_full_shard, "), std::string::npos) << fsdp_names;
   EXPECT_NE(ds_names.find("deepspeed_stage_3_offload_nvme"), std::string::npos) << ds_names;
+  // The offload flags belong to both FSDP and DeepSpeed.
+  const std::string offload_names = fsdp::app::strategy_flag_for(
+      std::vector<StrategyFamily>{StrategyFamily::kFSDP, StrategyFamily::kDeepSpeed});
+  EXPECT_EQ(offload_names.find("--strategy fsdp, fsdp_full_shard, "), 0u) << offload_names;
+  EXPECT_NE(offload_names.find("fsdp_hybrid_shard_zero2, "), std::string::npos) << offload_names;
+  EXPECT_NE(offload_names.find(", deepspeed, deepspeed_stage_1, "),
+            std::string::npos) << offload_names;
+  EXPECT_NE(offload_names.find(" or deepspeed_stage_3_offload_nvme"), std::string::npos)
+      << offload_names;
   struct Case {
     std::vector<std::string> argv;
     std::string error;  // "" = accepted
@@ -189,8 +200,12 @@ TEST(StrategyCli, FamilyFlagsAreRefusedBesideAnotherFamilysStrategy) {
                                    " (got --strategy auto with 1 rank(s))"},
       {{"--strategy", "deepspeed_stage_3", "--sharding-strategy", "NO_SHARD"},
        "--sharding-strategy applies to " + fsdp_names},
-      {{"--strategy", "fsdp", "--offload-optimizer-device", "nvme"},
-       "--offload-optimizer-device applies to " + ds_names + " (got --strategy fsdp"},
+      {{"--strategy", "ddp", "--devices", "2", "--offload-optimizer-device", "nvme"},
+       "--offload-optimizer-device applies to " + offload_names + " (got --strategy ddp"},
+      {{"--strategy", "single", "--nvme-path", "/tmp"},
+       "--nvme-path applies to " + offload_names + " (got --strategy single"},
+      {{"--strategy", "fsdp", "--stage3-param-persistence-threshold", "0"},
+       "--stage3-param-persistence-threshold applies to " + ds_names},
       {{"--strategy", "ddp", "--devices", "2", "--deepspeed-config", config},
        "--deepspeed-config applies to " + ds_names},
       {{"--strategy", "deepspeed", "--ddp-comm-hook", "fp16_compress"},
@@ -203,6 +218,8 @@ TEST(StrategyCli, FamilyFlagsAreRefusedBesideAnotherFamilysStrategy) {
       {{"--strategy", "deepspeed_stage_3", "--offload-params-device", "nvme",
         "--offload-optimizer-device", "nvme", "--nvme-path", "/tmp"}, ""},
       {{"--deepspeed-config", config}, ""},  // auto with a config: deepspeed
+      {{"--strategy", "fsdp", "--devices", "2", "--offload-optimizer-device", "nvme",
+        "--offload-params-device", "nvme", "--nvme-path", "/tmp"}, ""},
       // The dry run plans FSDP and the disk tier whatever --strategy says; not DDP's hooks.
       {{"--dry-run", "--wrap-policy", "none", "--offload-optimizer-device", "nvme"}, ""},
       {{"--dry-run", "--bucket-cap-mb", "5"}, "--bucket-cap-mb applies to --strategy ddp"},
@@ -228,6 +245,65 @@ TEST(StrategyCli, FamilyFlagsAreRefusedBesideAnotherFamilysStrategy) {
   ASSERT_EQ(with_config.parse({"--deepspeed-config", config}), std::nullopt);
   EXPECT_EQ(with_config.flags.strategy_name(), "deepspeed");
   EXPECT_EQ(with_config.flags.family(), StrategyFamily::kDeepSpeed);
+}
+
+// FSDP takes the offload flags as its OffloadPolicy (include/fsdp/offload.h), DeepSpeed as its
+// offload_* options: one set of flags, the same disk tier.
+TEST(StrategyCli, OffloadFlagsBecomeFsdpsOffloadPolicyAndDeepSpeedsOptions) {
+  const std::vector<std::string> offload = {
+      "--devices", "2", "--offload-optimizer-device", "nvme", "--offload-params-device", "nvme",
+      "--nvme-path", "/scratch/swap", "--params-buffer-count", "3", "--params-buffer-size", "4096",
+      "--max-in-cpu", "1000", "--sub-group-size", "512", "--aio-block-size", "8192",
+      "--aio-queue-depth", "4", "--aio-intra-op-parallelism", "2"};
+  auto with = [&](const char* strategy) {
+    std::vector<std::string> argv = {"--strategy", strategy};
+    argv.insert(argv.end(), offload.begin(), offload.end());
+    return argv;
+  };
+  const fsdp::nn::ModuleTypes layers = fsdp::demos::layer_types("transformer-tiny");
+  Cli fsdp_cli;
+  ASSERT_EQ(fsdp_cli.parse(with("fsdp")), std::nullopt) << fsdp_cli.stderr_text;
+  EXPECT_EQ(fsdp_cli.error, "");
+  auto s = std::dynamic_pointer_cast<fsdp::FSDPStrategy>(
+      fsdp_cli.flags.make_strategy(fsdp_cli.flags.strategy_options(layers)));
+  ASSERT_TRUE(s);
+  const fsdp::OffloadPolicy& p = s->options().offload_policy;
+  EXPECT_EQ(p.params, fsdp::OffloadDevice::kNvme);
+  EXPECT_EQ(p.optimizer, fsdp::OffloadDevice::kNvme);
+  EXPECT_EQ(p.disk.path, "/scratch/swap");
+  EXPECT_EQ(p.disk.params_buffer_count, 3);
+  EXPECT_EQ(p.disk.params_buffer_size, 4096);
+  EXPECT_EQ(p.disk.max_in_cpu, 1000);
+  EXPECT_EQ(p.disk.sub_group_size, 512);
+  EXPECT_EQ(p.disk.aio.block_size, 8192);
+  EXPECT_EQ(p.disk.aio.queue_depth, 4);
+  EXPECT_EQ(p.disk.aio.intra_op_parallelism, 2);
+
+  Cli cpu;  // 'cpu' for one tier, the other left where it is
+  ASSERT_EQ(cpu.parse({"--strategy", "fsdp", "--offload-params-device", "cpu"}), std::nullopt);
+  const fsdp::OffloadPolicy q = cpu.flags.strategy_options(layers).fsdp.offload_policy;
+  EXPECT_EQ(q.params, fsdp::OffloadDevice::kCpu);
+  EXPECT_EQ(q.optimizer, fsdp::OffloadDevice::kNone);
+  Cli none;  // no flag: no offload
+  ASSERT_EQ(none.parse({"--strategy", "fsdp"}), std::nullopt);
+  EXPECT_FALSE(none.flags.strategy_options(layers).fsdp.offload_policy.any());
+
+  Cli ds_cli;
+  ASSERT_EQ(ds_cli.parse(with("deepspeed_stage_3")), std::nullopt) << ds_cli.stderr_text;
+  EXPECT_EQ(ds_cli.error, "");
+  const fsdp::DeepSpeedOptions d = ds_cli.flags.strategy_options(layers).deepspeed;
+  EXPECT_TRUE(d.offload_optimizer);
+  EXPECT_TRUE(d.offload_parameters);
+  EXPECT_EQ(d.offload_optimizer_device, "nvme");
+  EXPECT_EQ(d.offload_params_device, "nvme");
+  EXPECT_EQ(d.nvme_path, "/scratch/swap");
+  EXPECT_EQ(d.params_buffer_count, 3);
+  EXPECT_EQ(d.aio.queue_depth, 4);
+  EXPECT_EQ(d.aio.intra_op_parallelism, 2);
+
+  // One heading for the shared flags.
+  EXPECT_NE(fsdp_cli.app.help().find("Offload and the disk tier (FSDP and DeepSpeed strategies)"),
+            std::string::npos);
 }
 
 TEST(StrategyCli, FinetuneOffersSingleDdpAndFsdpOnly) {
@@ -275,9 +351,10 @@ TEST(StrategyCli, TrainRefusesAnotherFamilysFlagBeforeStartingAnything) {
        "fsdp-train: error: --wrap-policy applies to --strategy fsdp, fsdp_full_shard, "},
       {{"--strategy", "ddp", "--devices", "2", "--wrap-policy", "none"},
        " (got --strategy ddp with 2 rank(s))"},
-      {{"--strategy", "fsdp", "--offload-optimizer-device", "nvme", "--nvme-path", "/tmp"},
-       "fsdp-train: error: --offload-optimizer-device applies to --strategy deepspeed, "
-       "deepspeed_stage_1, "},
+      {{"--strategy", "ddp", "--devices", "2", "--offload-optimizer-device", "nvme",
+        "--nvme-path", "/tmp"},
+       "fsdp-train: error: --offload-optimizer-device applies to --strategy fsdp, "
+       "fsdp_full_shard, "},
   };
   for (const auto& [args, message] : cases) {
     std::vector<std::string> argv = {fsdp::testing::bin_path("fsdp-train"), "--max-steps", "1",
@@ -289,6 +366,33 @@ TEST(StrategyCli, TrainRefusesAnotherFamilysFlagBeforeStartingAnything) {
         << "expected: " << message << "\ngot: " << r.err;
     EXPECT_EQ(lines(r.err), 1) << r.err;
   }
+}
+
+// fsdp-train --strategy fsdp with parameters and optimizer state on disk trains the losses of
+// FSDP in RAM, and leaves nothing under --nvme-path.
+TEST(StrategyCli, TrainFsdpWithBothTiersOnDiskMatchesRam) {
+  const std::string nvme = fsdp::testing::own_dir("cli-fsdp-nvme");
+  const std::vector<std::string> common = {"--devices", "2", "--backend", "gloo", "--strategy",
+                                           "fsdp", "--vocab-size", "1024"};
+  auto ram = fsdp::testing::fsdp_train_summary(common, "fsdp-ram");
+  auto with = common;
+  for (const char* f : {"--offload-optimizer-device", "nvme", "--offload-params-device", "nvme",
+                        "--nvme-path", nvme.c_str(), "--sub-group-size", "4096",
+                        "--max-in-cpu", "0"}) {
+    with.emplace_back(f);
+  }
+  auto disk = fsdp::testing::fsdp_train_summary(with, "fsdp-nvme");
+  ASSERT_TRUE(ram.contains("losses") && disk.contains("losses")) << ram << disk;
+  const auto& a = ram["losses"];
+  const auto& b = disk["losses"];
+  ASSERT_EQ(a.size(), b.size());
+  ASSERT_GT(a.size(), 0u);
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_NEAR(b[i].get<double>(), a[i].get<double>(), 1e-5 * std::abs(a[i].get<double>()))
+        << "step " << i;
+  }
+  EXPECT_TRUE(std::filesystem::is_empty(nvme)) << "swap files left under " << nvme;
+  fsdp::testing::remove_own_dir(nvme);
 }
 
 TEST(StrategyCli, FinetuneTakesFsdpStrategiesFromTheRegistry) {

@@ -59,7 +59,14 @@ std::string group_of(StrategyFamily family) {
 }  // namespace
 
 std::string strategy_flag_for(StrategyFamily family) {
-  const std::vector<std::string> names = strategy_names(family);
+  return strategy_flag_for(std::vector<StrategyFamily>{family});
+}
+
+std::string strategy_flag_for(const std::vector<StrategyFamily>& families) {
+  std::vector<std::string> names;
+  for (StrategyFamily family : families) {
+    for (std::string& name : strategy_names(family)) names.push_back(std::move(name));
+  }
   std::string out = "--strategy ";
   for (size_t i = 0; i < names.size(); ++i) {
     out += (i == 0 ? "" : i + 1 == names.size() ? " or " : ", ") + names[i];
@@ -116,11 +123,17 @@ CommonFlags::CommonFlags(CLI::App& app, CommonArgs& a, CommonFlagsSpec spec)
   if (offers(StrategyFamily::kFSDP)) add_fsdp_flags(app);
   if (offers(StrategyFamily::kDDP)) add_ddp_flags(app);
   if (offers(StrategyFamily::kDeepSpeed)) add_deepspeed_flags(app);
+  if (offers(StrategyFamily::kFSDP) || offers(StrategyFamily::kDeepSpeed)) add_offload_flags(app);
 }
 
-void CommonFlags::add_family(StrategyFamily family, std::vector<CLI::Option*> options) {
-  for (CLI::Option* o : options) o->group(group_of(family));
-  family_flags_.push_back({family, std::move(options)});
+void CommonFlags::add_family(std::vector<StrategyFamily> families,
+                             std::vector<CLI::Option*> options, const std::string& title) {
+  families.erase(std::remove_if(families.begin(), families.end(),
+                                [this](StrategyFamily f) { return !offers(f); }),
+                 families.end());
+  const std::string heading = families.size() == 1 ? group_of(families.front()) : title;
+  for (CLI::Option* o : options) o->group(heading);
+  family_flags_.push_back({std::move(families), std::move(options)});
 }
 
 bool CommonFlags::offers(StrategyFamily family) const {
@@ -129,7 +142,7 @@ bool CommonFlags::offers(StrategyFamily family) const {
 
 void CommonFlags::add_fsdp_flags(CLI::App& app) {
   FSDPOptions& f = a_.options.fsdp;
-  add_family(StrategyFamily::kFSDP, {
+  add_family({StrategyFamily::kFSDP}, {
       app.add_option("--sharding-strategy", f.sharding_strategy,
                      "FULL_SHARD | SHARD_GRAD_OP | NO_SHARD | HYBRID_SHARD | "
                      "HYBRID_SHARD_ZERO2")
@@ -153,7 +166,7 @@ void CommonFlags::add_ddp_flags(CLI::App& app) {
   DDPOptions& d = a_.options.ddp;
   PowerSGDOptions& ps = a_.powersgd;
   PostLocalSGDOptions& pl = a_.post_local_sgd;
-  add_family(StrategyFamily::kDDP, {
+  add_family({StrategyFamily::kDDP}, {
       app.add_option("--bucket-cap-mb", d.bucket_cap_mb, "gradient bucket size in MB")
           ->check(greater_than(0.0)),
       app.add_flag("--find-unused-parameters", d.find_unused_parameters,
@@ -211,24 +224,39 @@ void CommonFlags::add_ddp_flags(CLI::App& app) {
 }
 
 void CommonFlags::add_deepspeed_flags(CLI::App& app) {
-  AioOptions& aio = a_.options.deepspeed.aio;
-  add_family(StrategyFamily::kDeepSpeed, {
+  add_family({StrategyFamily::kDeepSpeed}, {
       app.add_option("--deepspeed-config", a_.deepspeed_config,
                      "DeepSpeed JSON config (with --strategy auto: deepspeed); replaces the "
                      "strategy's defaults; its bf16, gradient_clipping, "
                      "gradient_accumulation_steps, train_micro_batch_size_per_gpu, "
                      "optimizer and scheduler apply to the run"),
+      app.add_option("--stage3-param-persistence-threshold", a_.persistence_threshold,
+                     "stage 3: parameters of at most this many elements stay whole "
+                     "(default 1e5); 0 shards every parameter and builds the model sharded "
+                     "(deferred init: no rank holds the whole model)")
+          ->check(at_least(int64_t{0})),
+  });
+}
+
+// FSDP's offload_policy and DeepSpeed's offload_optimizer / offload_param take the same flags
+// (include/fsdp/offload.h: one OffloadPolicy, the same disk tier).
+void CommonFlags::add_offload_flags(CLI::App& app) {
+  AioOptions& aio = a_.aio;
+  add_family({StrategyFamily::kFSDP, StrategyFamily::kDeepSpeed}, {
       app.add_option("--offload-optimizer-device", a_.offload_optimizer_device,
-                     "offload_optimizer to 'cpu' (where the state already is on this "
-                     "device) or 'nvme' (the disk tier: Adam's moments in swap files under "
-                     "--nvme-path, streamed through the step)")
+                     "the optimizer state and its step: 'cpu' (host memory, where it already "
+                     "is on this device) or 'nvme' (the disk tier: Adam's moments in swap "
+                     "files under --nvme-path, streamed through the step)")
           ->check(one_of({"cpu", "nvme"})),
       app.add_option("--offload-params-device", a_.offload_params_device,
-                     "stage 3: offload_param to 'cpu' (where the parameters already are on "
-                     "this device) or 'nvme' (each unit's shard in a swap file under "
-                     "--nvme-path, read before its all-gather and streamed through the "
-                     "step; needs --offload-optimizer-device nvme and 2+ devices)")
+                     "FSDP, DeepSpeed stage 3: the parameter shards: 'cpu' (host memory, "
+                     "where they already are on this device) or 'nvme' (each unit's shard in "
+                     "a swap file under --nvme-path, read before its all-gather and streamed "
+                     "through the step; needs --offload-optimizer-device nvme and 2+ devices)")
           ->check(one_of({"cpu", "nvme"})),
+      app.add_option("--nvme-path", a_.nvme_path,
+                     "the disk tier's directory (swap files go to NVME_PATH/<job>/rank<r>/, "
+                     "removed on exit)"),
       app.add_option("--params-buffer-count", a_.params_buffer_count,
                      "parameters on disk: buffers for reading units ahead and writing them "
                      "back (offload_param.buffer_count, default 5)")
@@ -241,14 +269,6 @@ void CommonFlags::add_deepspeed_flags(CLI::App& app) {
                      "parameters on disk: elements of the first units' shards kept in RAM "
                      "(offload_param.max_in_cpu, default 1e9)")
           ->check(at_least(0.0)),
-      app.add_option("--stage3-param-persistence-threshold", a_.persistence_threshold,
-                     "stage 3: parameters of at most this many elements stay whole "
-                     "(default 1e5); 0 shards every parameter and builds the model sharded "
-                     "(deferred init: no rank holds the whole model)")
-          ->check(at_least(int64_t{0})),
-      app.add_option("--nvme-path", a_.nvme_path,
-                     "the disk tier's directory (swap files go to NVME_PATH/<job>/rank<r>/, "
-                     "removed on exit)"),
       app.add_option("--sub-group-size", a_.sub_group_size,
                      "elements of optimizer state stepped (and, on disk, streamed) at a "
                      "time"),
@@ -259,7 +279,7 @@ void CommonFlags::add_deepspeed_flags(CLI::App& app) {
       app.add_option("--aio-intra-op-parallelism", aio.intra_op_parallelism,
                      "disk tier: I/O rings (threads) a transfer is spread over")
           ->check(at_least(1)),
-  });
+  }, "Offload and the disk tier (FSDP and DeepSpeed strategies)");
 }
 
 std::string CommonFlags::strategy_name() const {
@@ -272,12 +292,15 @@ StrategyFamily CommonFlags::family() const { return strategy_entry(strategy_name
 std::string CommonFlags::check() const {
   const StrategyFamily mine = family();
   for (const FamilyFlags& f : family_flags_) {
-    if (f.family == mine) continue;
+    auto has = [&f](StrategyFamily family) {
+      return std::find(f.families.begin(), f.families.end(), family) != f.families.end();
+    };
+    if (has(mine)) continue;
     // See CommonFlags::check in flags.h: the dry run plans FSDP and the disk tier.
-    if (a_.dry_run && f.family != StrategyFamily::kDDP) continue;
+    if (a_.dry_run && !has(StrategyFamily::kDDP)) continue;
     for (CLI::Option* o : f.options) {
       if (o->count() == 0) continue;
-      return o->get_name() + " applies to " + strategy_flag_for(f.family) + " (got --strategy " +
+      return o->get_name() + " applies to " + strategy_flag_for(f.families) + " (got --strategy " +
              a_.strategy + " with " + std::to_string(a_.world()) + " rank(s))";
     }
   }
@@ -300,8 +323,25 @@ StrategyOptions CommonFlags::strategy_options(const nn::ModuleTypes& layer_types
   StrategyOptions o = a_.options;
   o.fsdp.auto_wrap_policy = parse_wrap_policy(a_.wrap_policy, layer_types);
   set_comm_hook(o.ddp, a_.ddp_comm_hook, a_.ddp_comm_wrapper, a_.powersgd, a_.post_local_sgd);
+  // FSDP: the offload flags are its offload_policy (the library checks it at setup).
+  OffloadPolicy& policy = o.fsdp.offload_policy;
+  if (!a_.offload_params_device.empty()) {
+    policy.params = parse_offload_device(a_.offload_params_device);
+  }
+  if (!a_.offload_optimizer_device.empty()) {
+    policy.optimizer = parse_offload_device(a_.offload_optimizer_device);
+  }
+  NvmeOffloadOptions& disk = policy.disk;
+  disk.path = a_.nvme_path;
+  disk.aio = a_.aio;
+  if (a_.params_buffer_count > 0) disk.params_buffer_count = a_.params_buffer_count;
+  if (a_.params_buffer_size > 0) disk.params_buffer_size = static_cast<int64_t>(a_.params_buffer_size);
+  if (a_.max_in_cpu >= 0) disk.max_in_cpu = static_cast<int64_t>(a_.max_in_cpu);
+  if (a_.sub_group_size > 0) disk.sub_group_size = static_cast<int64_t>(a_.sub_group_size);
+
   DeepSpeedOptions& d = o.deepspeed;
   d.config = a_.deepspeed_config;
+  d.aio = a_.aio;
   if (!a_.offload_optimizer_device.empty()) {
     TORCH_CHECK(a_.deepspeed_config.empty(), "--offload-optimizer-device with --deepspeed-config: "
                 "set zero_optimization.offload_optimizer in the config instead (a config "

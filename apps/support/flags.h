@@ -37,9 +37,12 @@ struct CommonArgs {
   PowerSGDOptions powersgd;
   PostLocalSGDOptions post_local_sgd;
   std::string deepspeed_config;          // DeepSpeedOptions::config
+  // The offload flags, shared by FSDP (FSDPOptions::offload_policy) and DeepSpeed (its
+  // offload_* options): "" where not given.
   std::string offload_optimizer_device;  // "" | "cpu" | "nvme"
-  std::string offload_params_device;     // "" | "cpu" | "nvme" (stage 3)
+  std::string offload_params_device;     // "" | "cpu" | "nvme" (FSDP, DeepSpeed stage 3)
   std::string nvme_path;
+  AioOptions aio;
   double sub_group_size = 0;
   int64_t params_buffer_count = 0;
   double params_buffer_size = 0;
@@ -71,12 +74,14 @@ class CommonFlags {
   std::string strategy_name() const;
   StrategyFamily family() const;
   // "" or the one sentence that refuses the command line: a family's flag given with a
-  // strategy of another family, or an incomplete post_local_sgd. A dry run plans FSDP and the
+  // strategy of another family (the offload flags belong to FSDP and DeepSpeed), or an
+  // incomplete post_local_sgd. A dry run plans FSDP and the
   // disk tier whatever --strategy says, so there only the DDP flags are checked.
   std::string check() const;
   // The options the strategy is built from: the FSDP flags (--wrap-policy layers means
-  // `layer_types`), the DDP flags with their comm hook, the DeepSpeed flags. Throws c10::Error
-  // for an offload flag beside a --deepspeed-config (the config replaces the options).
+  // `layer_types`; the offload flags give its offload_policy), the DDP flags with their comm
+  // hook, the DeepSpeed flags. Throws c10::Error for an offload flag beside a --deepspeed-config
+  // (the config replaces the options).
   StrategyOptions strategy_options(const nn::ModuleTypes& layer_types) const;
   // The registry's strategy for strategy_name(), built from `options`.
   StrategyPtr make_strategy(const StrategyOptions& options) const;
@@ -86,14 +91,17 @@ class CommonFlags {
 
  private:
   struct FamilyFlags {
-    StrategyFamily family;
+    std::vector<StrategyFamily> families;  // the flags apply to these families' strategies
     std::vector<CLI::Option*> options;
   };
-  // The flags of one family, under a help heading that names its strategies.
-  void add_family(StrategyFamily family, std::vector<CLI::Option*> options);
+  // Flags that apply to `families`' strategies (those this program offers), under a help
+  // heading that names them.
+  void add_family(std::vector<StrategyFamily> families, std::vector<CLI::Option*> options,
+                  const std::string& title = {});
   void add_fsdp_flags(CLI::App& app);
   void add_ddp_flags(CLI::App& app);
   void add_deepspeed_flags(CLI::App& app);
+  void add_offload_flags(CLI::App& app);  // FSDP and DeepSpeed
   bool offers(StrategyFamily family) const;
 
   CommonArgs& a_;
@@ -104,6 +112,8 @@ class CommonFlags {
 // "--strategy ddp" or "--strategy a, b or c": the registered names of a family, for help
 // and messages.
 std::string strategy_flag_for(StrategyFamily family);
+// The same for several families: "--strategy fsdp, ..., deepspeed, ... or deepspeed_stage_3".
+std::string strategy_flag_for(const std::vector<StrategyFamily>& families);
 
 // The end of a program's main: returns what `body` returns; an exception ends every rank with
 // its message on one line, without a backtrace (fsdp::fail_rank, exit status 1).
