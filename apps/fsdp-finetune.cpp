@@ -1,12 +1,11 @@
-// fsdp-finetune: QLoRA fine-tuning of a Hugging Face Llama model, the recipe of
-// ../shared/reference/003 (4-bit NF4 + double quantization base, LoRA adapters, 8-bit AdamW,
-// FSDP) in one command:
+// fsdp-finetune: QLoRA fine-tuning of a Hugging Face Llama model, the FSDP-QLoRA recipe (4-bit
+// NF4 + double quantization base, LoRA adapters, 8-bit AdamW, FSDP) in one command (one line):
 //
-//   fsdp-finetune --model-dir Meta-Llama-3-8B --data train.jsonl --strategy fsdp --devices 2 \
-//     --per-device-train-batch-size 16 --gradient-accumulation-steps 8 --num-train-epochs 3 \
-//     --learning-rate 2.5e-5 --warmup-steps 2 --logging-steps 1 --optim paged_adamw_8bit \
-//     --save-steps 100 --save-total-limit 2 --output-dir results \
-//     --lora-r 8 --lora-alpha 16 --lora-dropout 0.05 \
+//   fsdp-finetune --model-dir Meta-Llama-3-8B --data train.jsonl --strategy fsdp --devices 2
+//     --per-device-train-batch-size 16 --gradient-accumulation-steps 8 --num-train-epochs 3
+//     --learning-rate 2.5e-5 --warmup-steps 2 --logging-steps 1 --optim paged_adamw_8bit
+//     --save-steps 100 --save-total-limit 2 --output-dir results
+//     --lora-r 8 --lora-alpha 16 --lora-dropout 0.05
 //     --lora-target-modules q_proj,k_proj,v_proj,o_proj,w1,w2,w3,lm_head
 //
 // Flags carry transformers.TrainingArguments / LoraConfig / BitsAndBytesConfig names (dashes
@@ -14,6 +13,9 @@
 // --save-steps optimizer steps (the --save-total-limit newest kept) and to OUTPUT_DIR/final.
 // --preset NAME replaces --model-dir with a randomly initialized model of a named layout (no
 // files; benchmarks); --dry-run prints the per-rank memory plan and exits without allocating.
+// The strategy comes from the registry (include/fsdp/strategy_registry.h): any single, ddp or
+// fsdp strategy; the flags shared with fsdp-train, the planner and the summary JSON are in
+// apps/support/.
 #include <fsdp/causal_lm_data.h>
 #include <fsdp/fsdp.h>
 #include <fsdp/hf.h>
@@ -23,7 +25,6 @@
 #include <fsdp/quantization.h>
 #include <fsdp/tokenizer.h>
 
-#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 #include <torch/optim/adamw.h>
 #include <torch/optim/schedulers/lr_scheduler.h>
@@ -32,13 +33,16 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <iostream>
-#include <limits>
 #include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
+
+#include "cli.h"
+#include "support/flags.h"
+#include "support/planner.h"
+#include "support/summary.h"
 
 namespace {
 
@@ -78,15 +82,12 @@ struct Args {
   int64_t save_total_limit = -1;
   bool gradient_checkpointing = true;
   std::string optim = "paged_adamw_8bit";
-  // Trainer
-  std::string strategy = "auto";
-  int devices = 1;
-  std::string backend = "auto";
-  std::string precision = "32-true";
-  uint64_t seed = 42;
-  bool no_progress_bar = false;
-  bool dry_run = false;
-  std::string summary_json;
+  // Trainer, strategy and output: the flags fsdp-train has too.
+  fsdp::app::CommonArgs common;
+
+  Args() { common.trainer.seed = 42; }
+  int world() const { return common.world(); }
+  uint64_t seed() const { return static_cast<uint64_t>(common.trainer.seed); }
 };
 
 std::vector<std::string> split_list(const std::string& s) {
@@ -156,7 +157,10 @@ class LinearWarmup : public torch::optim::LRScheduler {
 
 class Finetune : public fsdp::LightningModule {
  public:
-  Finetune(const Args& a, int64_t total_steps) : a_(a), total_steps_(total_steps) {}
+  // `strategy_checkpoints`: the strategy applies activation checkpointing itself (FSDP's
+  // activation_checkpointing_policy), so the model does not.
+  Finetune(const Args& a, int64_t total_steps, bool strategy_checkpoints)
+      : a_(a), total_steps_(total_steps), strategy_checkpoints_(strategy_checkpoints) {}
 
   void configure_model() override {
     if (model) return;
@@ -167,7 +171,7 @@ class Finetune : public fsdp::LightningModule {
     // though the frozen embedding's output needs no gradient. Under FSDP the strategy applies
     // checkpointing (FSDPOptions::activation_checkpointing_policy).
     if (a_.gradient_checkpointing) model->model->input_require_grads = true;
-    if (a_.gradient_checkpointing && a_.strategy.rfind("fsdp", 0) != 0) {
+    if (a_.gradient_checkpointing && !strategy_checkpoints_) {
       fsdp::apply_activation_checkpointing(*model, fsdp::llama_layer_types());
     }
   }
@@ -209,6 +213,7 @@ class Finetune : public fsdp::LightningModule {
  private:
   Args a_;
   int64_t total_steps_;
+  bool strategy_checkpoints_;
 };
 
 // PEFT adapter checkpoints: OUTPUT_DIR/checkpoint-<step> every save_steps optimizer steps,
@@ -255,11 +260,6 @@ class AdapterCheckpoint : public fsdp::Callback {
   std::vector<int64_t> saved_;
 };
 
-std::string what_of(const std::exception& e) {
-  if (auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
-  return e.what();
-}
-
 // Logical parameter counts (a 4-bit weight counts its out x in elements), as PEFT's
 // print_trainable_parameters.
 std::pair<int64_t, int64_t> logical_counts(const fsdp::LlamaConfig& c, const fsdp::LoraConfig& lora) {
@@ -280,6 +280,8 @@ std::pair<int64_t, int64_t> logical_counts(const fsdp::LlamaConfig& c, const fsd
   return {c.parameter_count() + trainable, trainable};
 }
 
+// --dry-run: the recipe's one strategy (FSDP FULL_SHARD, one unit per decoder layer) with the
+// run's optimizer, on the meta device.
 int dry_run(const Args& a) {
   const fsdp::LlamaConfig config = model_config(a);
   const fsdp::HfLoadOptions o = load_options(a);
@@ -288,10 +290,10 @@ int dry_run(const Args& a) {
     fsdp::MetaInitGuard meta;  // shapes only: nothing allocated, nothing read
     model = fsdp::make_llama(config, o);
   }
-  const int world = a.devices;
+  const int world = a.world();
   fsdp::FSDPOptions fo;
   fo.auto_wrap_policy = fsdp::AutoWrapPolicy::of_types(fsdp::llama_layer_types());
-  const fsdp::FSDPMemoryEstimate e = fsdp::estimate_fsdp_memory(*model, fo, world, world);
+  fsdp::app::PlanRow row = fsdp::app::plan_fsdp(*model, fo, world, a.common.trainer.devices);
   const auto [all, trainable] = logical_counts(config, *o.lora);
   int64_t base_bytes = 0, quantized_elems = 0;
   for (auto& m : model->modules()) {
@@ -300,44 +302,38 @@ int dry_run(const Args& a) {
       base_bytes += fsdp::linear4bit_nbytes(q->out_features(), q->in_features(), *o.quantization);
     }
   }
-  // 8-bit AdamW: two uint8 moments + two fp32 absmaxes per 256 elements, on this rank's shard.
+  // The planner counts fp32 Adam; 8-bit AdamW keeps two uint8 moments + two fp32 absmaxes per
+  // 256 elements, on this rank's shard.
   const int64_t shard_trainable = (trainable + world - 1) / world;
-  const int64_t optim_bytes = a.optim == "adamw_torch" ? 8 * shard_trainable
-                                                       : 2 * shard_trainable + 8 * ((shard_trainable + 255) / 256);
-  std::cout << "[fsdp-finetune] dry run: " << (a.preset.empty() ? a.model_dir : a.preset) << ", "
-            << all << " parameters (" << trainable << " trainable LoRA, "
-            << 100.0 * trainable / all << "%), 4-bit " << (a.load_in_4bit ? "on" : "off")
-            << ", world " << world << " (FSDP FULL_SHARD, one unit per decoder layer); nothing allocated\n";
+  row.optimizer = a.optim == "adamw_torch" ? 8 * shard_trainable
+                                           : 2 * shard_trainable + 8 * ((shard_trainable + 255) / 256);
+  const std::string name = a.preset.empty() ? a.model_dir : a.preset;
+  std::cout << "[fsdp-finetune] dry run: " << name << ", " << all << " parameters (" << trainable
+            << " trainable LoRA, " << 100.0 * trainable / all << "%), 4-bit "
+            << (a.load_in_4bit ? "on" : "off") << ", world " << world
+            << " (FSDP FULL_SHARD, one unit per decoder layer); nothing allocated" << std::endl;
   if (quantized_elems > 0) {
     std::printf("quantized base: %lld weights in %s = %.4f bytes/weight\n",
                 static_cast<long long>(quantized_elems), fsdp::format_bytes(base_bytes).c_str(),
                 static_cast<double>(base_bytes) / quantized_elems);
   }
-  std::printf("%-34s %12s\n", "per rank", "bytes");
-  std::printf("%-34s %12s\n", "sharded parameters (base + LoRA)", fsdp::format_bytes(e.sharded_param_bytes).c_str());
-  std::printf("%-34s %12s\n", "sharded LoRA gradients", fsdp::format_bytes(e.sharded_grad_bytes).c_str());
-  std::printf("%-34s %12s\n", (a.optim == "adamw_torch" ? "AdamW state" : "8-bit AdamW state"),
-              fsdp::format_bytes(optim_bytes).c_str());
-  std::printf("%-34s %12s\n", "unsharded units (root + 2 layers)", fsdp::format_bytes(e.unsharded_peak_bytes).c_str());
-  const int64_t total = e.sharded_param_bytes + e.sharded_grad_bytes + optim_bytes + e.unsharded_peak_bytes;
-  std::printf("%-34s %12s\n", "total model state", fsdp::format_bytes(total).c_str());
-  std::cout << "activations not included (gradient checkpointing keeps one layer's input per "
-               "layer). Peak RSS of this dry run: " << fsdp::format_bytes(fsdp::peak_rss_bytes()) << std::endl;
-  if (!a.summary_json.empty()) {
-    nlohmann::json j;
-    j["model"] = a.preset.empty() ? a.model_dir : a.preset;
-    j["params"] = all;
-    j["trainable_params"] = trainable;
-    j["world_size"] = world;
-    j["quantized_weights"] = quantized_elems;
-    j["quantized_bytes"] = base_bytes;
-    j["sharded_param_bytes"] = e.sharded_param_bytes;
-    j["sharded_grad_bytes"] = e.sharded_grad_bytes;
-    j["optimizer_bytes"] = optim_bytes;
-    j["unsharded_peak_bytes"] = e.unsharded_peak_bytes;
-    j["total_bytes"] = total;
-    std::ofstream f(a.summary_json);
-    f << j.dump(2) << "\n";
+  fsdp::app::print_plan({row});
+  const int64_t rss = fsdp::peak_rss_bytes();
+  std::cout << "params: base + LoRA; grads: LoRA only; Adam state: "
+            << (a.optim == "adamw_torch" ? "AdamW" : "8-bit AdamW")
+            << "; units: the root and two decoder layers unsharded. Activations not included "
+               "(gradient checkpointing keeps one layer's input per layer). Peak RSS of this dry "
+               "run: "
+            << fsdp::format_bytes(rss) << std::endl;
+  if (!a.common.summary_json.empty()) {
+    fsdp::app::write_json(a.common.summary_json,
+                          {{"model", name}, {"params", all}, {"trainable_params", trainable},
+                           {"world_size", world}, {"quantized_weights", quantized_elems},
+                           {"quantized_bytes", base_bytes}, {"sharded_param_bytes", row.params},
+                           {"sharded_grad_bytes", row.grads}, {"optimizer_bytes", row.optimizer},
+                           {"unsharded_peak_bytes", row.extra}, {"total_bytes", row.total()},
+                           {"peak_rss_bytes", rss},
+                           {"strategies", fsdp::app::plan_json({row})}});
   }
   return 0;
 }
@@ -347,7 +343,7 @@ std::shared_ptr<fsdp::CausalLMDataset> load_data(const Args& a, const fsdp::Llam
   if (a.data == "synthetic") {
     // Random token sequences of max_length (benchmarks without a tokenizer).
     TORCH_CHECK(a.synthetic_examples > 0, "[fsdp-finetune] --data synthetic needs --synthetic-examples N");
-    auto gen = at::make_generator<at::CPUGeneratorImpl>(a.seed);
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(a.seed());
     at::Tensor ids = at::randint(config.vocab_size, {a.synthetic_examples, a.max_length}, gen, at::kLong);
     std::vector<std::vector<int64_t>> seqs;
     for (int64_t i = 0; i < a.synthetic_examples; ++i) {
@@ -376,24 +372,20 @@ std::shared_ptr<fsdp::CausalLMDataset> load_data(const Args& a, const fsdp::Llam
   return data;
 }
 
-int run(const Args& a) {
+int run(const Args& a, const fsdp::app::CommonFlags& flags) {
   TORCH_CHECK(!a.data.empty(), "[fsdp-finetune] pass --data FILE (a .jsonl or text file) or --data synthetic");
-  fsdp::seed_everything(a.seed);
+  fsdp::seed_everything(a.seed());
   const fsdp::LlamaConfig config = model_config(a);
   std::string data_desc;
   auto data = load_data(a, config, &data_desc);  // fails once, before other ranks start
 
-  fsdp::TrainerOptions t;
-  t.devices = a.devices;
-  t.strategy = a.strategy;
-  if (a.strategy.rfind("fsdp", 0) == 0) {
-    fsdp::FSDPOptions o;
-    o.auto_wrap_policy = fsdp::AutoWrapPolicy::of_types(fsdp::llama_layer_types());
-    if (a.gradient_checkpointing) o.activation_checkpointing_policy = fsdp::llama_layer_types();
-    t.strategy = fsdp::make_fsdp_strategy(a.strategy, o);
-  }
-  t.precision = a.precision;
-  const int64_t world = a.devices;
+  fsdp::TrainerOptions t = a.common.trainer;
+  // Under FSDP: one unit per decoder layer, checkpointed by the strategy.
+  fsdp::StrategyOptions so;
+  so.fsdp.auto_wrap_policy = fsdp::AutoWrapPolicy::of_types(fsdp::llama_layer_types());
+  if (a.gradient_checkpointing) so.fsdp.activation_checkpointing_policy = fsdp::llama_layer_types();
+  t.strategy = flags.make_strategy(so);
+  const int64_t world = a.world();
   const int64_t batches_per_epoch = data->size() / (a.per_device_train_batch_size * world);
   TORCH_CHECK(batches_per_epoch > 0, "[fsdp-finetune] ", data->size(), " examples are fewer than one "
               "batch of ", a.per_device_train_batch_size, " x ", world, " ranks");
@@ -405,20 +397,19 @@ int run(const Args& a) {
   if (a.max_steps > 0) t.max_epochs = -1;
   t.accumulate_grad_batches = a.gradient_accumulation_steps;
   t.log_every_n_steps = a.logging_steps;
-  t.enable_progress_bar = !a.no_progress_bar;
   t.default_root_dir = a.output_dir;
-  t.seed = static_cast<int64_t>(a.seed);
-  t.process_group_backend = a.backend;
   const fsdp::HfLoadOptions lo = load_options(a);
-  t.callbacks.push_back(std::make_shared<AdapterCheckpoint>(a, *lo.lora, a.preset.empty() ? a.model_dir : a.preset));
+  const std::string name = a.preset.empty() ? a.model_dir : a.preset;
+  t.callbacks.push_back(std::make_shared<AdapterCheckpoint>(a, *lo.lora, name));
+  const fsdp::app::RunRecorders recorders = fsdp::app::add_run_recorders(t);
   fsdp::Trainer trainer(t);  // devices > 1: the other ranks start here
 
   fsdp::DataLoader loader(data, a.per_device_train_batch_size,
-                          fsdp::DistributedSampler(data->size(), 1, 0, /*shuffle=*/true, a.seed), true);
-  Finetune module(a, total_steps);
+                          fsdp::DistributedSampler(data->size(), 1, 0, /*shuffle=*/true, a.seed()), true);
+  Finetune module(a, total_steps, flags.family() == fsdp::StrategyFamily::kFSDP);
   const auto [all, trainable] = logical_counts(config, *lo.lora);
   std::ostringstream head;
-  head << "[fsdp-finetune] " << (a.preset.empty() ? a.model_dir : a.preset) << ": "
+  head << "[fsdp-finetune] " << name << ": "
        << (a.load_in_4bit ? std::string("NF4") + (a.double_quant ? " + double quant" : "") + ", compute " + a.compute_dtype
                           : "dense " + a.base_dtype)
        << "; trainable params: " << trainable << " || all params: " << all << " || trainable%: "
@@ -429,39 +420,15 @@ int run(const Args& a) {
   trainer.print(head.str());
   trainer.fit(module, loader);
 
-  const fsdp::FitResults& r = trainer.results();
-  if (trainer.is_global_zero() && !a.summary_json.empty()) {
-    nlohmann::json j;
-    j["model"] = a.preset.empty() ? a.model_dir : a.preset;
+  nlohmann::json j = fsdp::app::run_summary(trainer, recorders);
+  if (trainer.is_global_zero() && !a.common.summary_json.empty()) {
+    j["model"] = name;
     j["load_in_4bit"] = a.load_in_4bit;
-    j["strategy"] = trainer.strategy()->name();
-    j["world_size"] = trainer.world_size();
-    j["params"] = all;
+    j["params"] = all;  // logical: a 4-bit weight counts its out x in elements
     j["trainable_params"] = trainable;
-    j["steps"] = r.steps;
-    j["it_per_s"] = r.it_per_s;
-    j["seconds"] = r.seconds;
-    std::vector<double> alloc, rss, setup_alloc;
-    for (auto b : r.peak_alloc_bytes) alloc.push_back(b / 1048576.0);
-    for (auto b : r.peak_rss_bytes) rss.push_back(b / 1048576.0);
-    for (auto b : r.setup_peak_alloc_bytes) setup_alloc.push_back(b / 1048576.0);
-    j["peak_alloc_mb"] = alloc;
-    j["peak_rss_mb"] = rss;
-    j["setup_peak_alloc_mb"] = setup_alloc;
-    // Per rank: the training peak by category (Note [Memory categories] in fsdp/memory.h).
-    nlohmann::json breakdown = nlohmann::json::array();
-    for (const auto& rank : r.peak_breakdown_bytes) {
-      nlohmann::json m = nlohmann::json::object();
-      for (const auto& [name, bytes] : rank) m[name] = bytes / 1048576.0;
-      breakdown.push_back(m);
-    }
-    j["peak_breakdown_mb"] = breakdown;
     j["kbit_upcast"] = a.load_in_4bit ? a.kbit_upcast : "n/a";
     j["base_dtype"] = a.base_dtype;
-    j["losses"] = r.losses;
-    std::ofstream f(a.summary_json);
-    TORCH_CHECK(f, "[fsdp-finetune] cannot write --summary-json '", a.summary_json, "'");
-    f << j.dump(2) << "\n";
+    fsdp::app::write_json(a.common.summary_json, j);
   }
   return 0;
 }
@@ -476,10 +443,25 @@ int main(int argc, char** argv) {
       "re-executes this program N times."};
   app.option_defaults()->always_capture_default();
   app.get_formatter()->column_width(40);
-  // Model
+  using fsdp::cli::at_least;
+  using fsdp::cli::between;
+  using fsdp::cli::greater_than;
+  using fsdp::cli::one_of;
+  // Trainer, strategy, output: what fsdp-train has too. The strategies: single, ddp and FSDP
+  // (the recipe's); the model picks its FSDP units and checkpointing itself.
+  fsdp::app::CommonFlagsSpec spec;
+  spec.families = {fsdp::StrategyFamily::kSingle, fsdp::StrategyFamily::kDDP,
+                   fsdp::StrategyFamily::kFSDP};
+  spec.family_flags = false;
+  spec.precisions = {"32-true", "bf16-mixed"};
+  spec.precision_help = "32-true (4-bit layers still compute in --bnb-4bit-compute-dtype) | bf16-mixed";
+  spec.dry_run_help = "print the per-rank memory plan at --devices (meta device) and exit";
+  spec.summary_json_help = "write the run summary as JSON here";
+  fsdp::app::CommonFlags flags(app, a.common, spec);
+  app.option_defaults()->group("Model");
   auto* o_dir = app.add_option("--model-dir", a.model_dir, "Hugging Face model folder (config.json, *.safetensors)");
   auto* o_preset = app.add_option("--preset", a.preset, "instead of --model-dir: a random model of this layout")
-                       ->check(CLI::IsMember(fsdp::llama_preset_names()));
+                       ->check(one_of(fsdp::llama_preset_names()));
   o_dir->excludes(o_preset);
   app.add_option("--tokenizer-dir", a.tokenizer_dir, "folder with tokenizer.json (default: --model-dir)");
   app.add_flag("--load-in-4bit,!--no-load-in-4bit", a.load_in_4bit, "NF4-quantize the base's linear layers (QLoRA)");
@@ -489,72 +471,50 @@ int main(int argc, char** argv) {
   app.add_option("--kbit-upcast", a.kbit_upcast,
                  "with --load-in-4bit, which non-quantized parameters become fp32: all (PEFT's "
                  "prepare_model_for_kbit_training) | norms | none (keep --base-dtype)")
-      ->check(CLI::IsMember({"all", "norms", "none"}));
-  // LoRA
-  app.add_option("--lora-r", a.lora_r, "LoRA rank")->check(CLI::PositiveNumber);
-  app.add_option("--lora-alpha", a.lora_alpha, "LoRA alpha (scaling = alpha / r)")->check(CLI::PositiveNumber);
-  app.add_option("--lora-dropout", a.lora_dropout, "dropout on the adapter input")->check(CLI::Range(0.0, 0.99));
+      ->check(one_of({"all", "norms", "none"}));
+  app.option_defaults()->group("LoRA");
+  app.add_option("--lora-r", a.lora_r, "LoRA rank")->check(at_least(int64_t{1}));
+  app.add_option("--lora-alpha", a.lora_alpha, "LoRA alpha (scaling = alpha / r)")->check(greater_than(0.0));
+  app.add_option("--lora-dropout", a.lora_dropout, "dropout on the adapter input")->check(between(0.0, 0.99));
   app.add_option("--lora-target-modules", a.lora_target_modules,
                  "comma-separated layer names (PEFT matching), or all-linear");
-  // Data
+  app.option_defaults()->group("Data");
   app.add_option("--data", a.data, "a local .jsonl (one {\"text\": ...} per line) or text file "
                  "(one example per paragraph), or synthetic");
   app.add_option("--text-field", a.text_field, "JSONL field holding the text");
   app.add_option("--max-length", a.max_length, "tokens per example (longer ones are truncated)")
-      ->check(CLI::Range(int64_t{2}, std::numeric_limits<int64_t>::max()));
+      ->check(at_least(int64_t{2}));
   app.add_option("--synthetic-examples", a.synthetic_examples, "--data synthetic: number of random sequences");
-  // TrainingArguments
+  app.option_defaults()->group("TrainingArguments");
   app.add_option("--output-dir", a.output_dir, "checkpoint-<step>/ and final/ adapters, CSV logs");
   app.add_option("--warmup-steps", a.warmup_steps, "linear warmup steps (then linear decay to 0)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(at_least(int64_t{0}));
   app.add_option("--per-device-train-batch-size", a.per_device_train_batch_size, "examples per rank per micro-batch")
-      ->check(CLI::PositiveNumber);
+      ->check(at_least(int64_t{1}));
   app.add_option("--gradient-accumulation-steps", a.gradient_accumulation_steps, "micro-batches per optimizer step")
-      ->check(CLI::PositiveNumber);
+      ->check(at_least(int64_t{1}));
   app.add_option("--num-train-epochs", a.num_train_epochs, "epochs (ignored when --max-steps > 0)")
-      ->check(CLI::PositiveNumber);
+      ->check(greater_than(0.0));
   app.add_option("--max-steps", a.max_steps, "optimizer steps (-1: from --num-train-epochs)");
-  app.add_option("--learning-rate", a.learning_rate, "peak learning rate")->check(CLI::PositiveNumber);
-  app.add_option("--weight-decay", a.weight_decay, "AdamW weight decay")->check(CLI::NonNegativeNumber);
-  app.add_option("--logging-steps", a.logging_steps, "log every N optimizer steps")->check(CLI::PositiveNumber);
+  app.add_option("--learning-rate", a.learning_rate, "peak learning rate")->check(greater_than(0.0));
+  app.add_option("--weight-decay", a.weight_decay, "AdamW weight decay")->check(at_least(0.0));
+  app.add_option("--logging-steps", a.logging_steps, "log every N optimizer steps")->check(at_least(int64_t{1}));
   app.add_option("--save-steps", a.save_steps, "save the adapter every N optimizer steps (0: only at the end)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(at_least(int64_t{0}));
   app.add_option("--save-total-limit", a.save_total_limit, "keep the N newest checkpoint-<step> adapters (-1: all)");
   app.add_flag("--gradient-checkpointing,!--no-gradient-checkpointing", a.gradient_checkpointing,
                "recompute each decoder layer in backward");
   app.add_option("--optim", a.optim, "paged_adamw_8bit | adamw_8bit (bitsandbytes-exact 8-bit AdamW; "
                  "paged = same on CPU) | adamw_torch")
-      ->check(CLI::IsMember({"paged_adamw_8bit", "adamw_8bit", "adamw_torch"}));
-  // Trainer
-  app.add_option("--strategy", a.strategy, "auto | single | ddp | fsdp")
-      ->check(CLI::IsMember({"auto", "single", "ddp", "fsdp"}));
-  app.add_option("--devices", a.devices, "ranks (processes)")->check(CLI::PositiveNumber);
-  app.add_option("--backend", a.backend, "process group backend")->check(CLI::IsMember({"auto", "gloo", "mpi"}));
-  app.add_option("--precision", a.precision, "32-true (4-bit layers still compute in --bnb-4bit-compute-dtype) | bf16-mixed")
-      ->check(CLI::IsMember({"32-true", "bf16-mixed"}));
-  app.add_option("--seed", a.seed, "seed (same on every rank)");
-  app.add_flag("--no-progress-bar", a.no_progress_bar, "disable the progress bar");
-  app.add_flag("--dry-run", a.dry_run, "print the per-rank memory plan at --devices (meta device) and exit");
-  app.add_option("--summary-json", a.summary_json, "write the run summary as JSON here");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp&) {
-    std::cout << app.help();
-    return 0;
-  } catch (const CLI::ParseError& e) {
-    std::string msg = e.what();
-    std::replace(msg.begin(), msg.end(), '\n', ' ');
-    std::cerr << "fsdp-finetune: error: " << msg << " (see fsdp-finetune --help)" << std::endl;
-    return 2;
-  }
+      ->check(one_of({"paged_adamw_8bit", "adamw_8bit", "adamw_torch"}));
+  if (auto code = fsdp::cli::parse(app, argc, argv, "fsdp-finetune")) return *code;
   if (a.model_dir.empty() && a.preset.empty()) {
     std::cerr << "fsdp-finetune: error: pass --model-dir DIR (or --preset NAME)" << std::endl;
     return 2;
   }
-  try {
-    if (a.dry_run) return dry_run(a);
-    return run(a);
-  } catch (const std::exception& e) {
-    fsdp::fail_rank(what_of(e));
+  if (const std::string why = flags.check(); !why.empty()) {
+    std::cerr << "fsdp-finetune: error: " << why << std::endl;
+    return 2;
   }
+  return fsdp::app::run_or_fail([&] { return a.common.dry_run ? dry_run(a) : run(a, flags); });
 }

@@ -1,4 +1,4 @@
-// fsdp-bench backend: does `--backend auto` pick the fastest backend? (issue 17 goal 1)
+// fsdp-bench backend: does `--backend auto` pick the fastest backend?
 //
 //   fsdp-bench backend [--model transformer-small] [--devices 2] [--steps 6] [--strategies ddp,fsdp]
 //
@@ -39,7 +39,7 @@ std::vector<std::string> split_csv(const std::string& s) {
 }
 
 int run_backend(const std::vector<std::string>& args) {
-  CLI::App app{"fsdp-bench backend: --backend auto vs gloo and mpi (issue 17 goal 1)",
+  CLI::App app{"fsdp-bench backend: --backend auto vs gloo and mpi",
                "fsdp-bench backend"};
   fsdp::bench::TrainRun run;
   run.steps = 6;
@@ -63,7 +63,7 @@ int run_backend(const std::vector<std::string>& args) {
   fs::create_directories(run.dir);
 
   json out{{"bench", "backend"},
-           {"goal", "auto's it/s / the fastest explicit backend's = 1 (issue 17 goal 1)"},
+           {"goal", "auto's it/s / the fastest explicit backend's = 1"},
            {"config", {{"model", run.model}, {"vocab_size", run.vocab_size},
                        {"devices", run.devices}, {"batch_size", run.batch_size},
                        {"steps", run.steps}}}};
@@ -122,6 +122,6 @@ int run_backend(const std::vector<std::string>& args) {
   return ok ? 0 : 1;
 }
 
-fsdp::bench::Registrar reg("backend", "--backend auto vs gloo and mpi (goal 1)", run_backend);
+fsdp::bench::Registrar reg("backend", "--backend auto vs gloo and mpi", run_backend);
 
 }  // namespace

@@ -18,6 +18,7 @@
 // itself needed. For a full save under FSDP rank 0's extra should stay near the largest tensor
 // (it gathers one at a time), not the model.
 #include "bench.h"
+#include "demo_lm.h"
 
 #include <fsdp/checkpoint.h>
 #include <fsdp/deepspeed.h>
@@ -34,24 +35,6 @@ namespace {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
-
-struct BenchLM : fsdp::LightningModule {
-  std::string name;
-  int64_t vocab;
-  std::shared_ptr<fsdp::nn::Module> model;
-  std::shared_ptr<torch::optim::Optimizer> opt;
-  BenchLM(std::string n, int64_t v) : name(std::move(n)), vocab(v) {}
-  void configure_model() override {
-    if (!model) model = register_module("model", fsdp::demos::make_model(name, vocab, 0.0));
-  }
-  at::Tensor training_step(const fsdp::Batch& b, int64_t) override {
-    return at::nll_loss((*model)(b.input, b.target), b.target.reshape(-1));
-  }
-  fsdp::OptimizerConfig configure_optimizers() override {
-    opt = std::make_shared<torch::optim::AdamW>(parameters(), torch::optim::AdamWOptions(1e-4));
-    return {opt, nullptr};
-  }
-};
 
 double now_s() {
   using namespace std::chrono;
@@ -107,7 +90,7 @@ int run_checkpoint(const std::vector<std::string>& args) {
   fsdp::Trainer trainer(t);
   auto data = std::make_shared<fsdp::demos::SyntheticCorpus>(vocab, 20000, 42);
   fsdp::DataLoader loader(data, 2, fsdp::DistributedSampler(data->size()));
-  BenchLM lm(model, vocab);
+  fsdp::bench::DemoLM lm(model, vocab);
   trainer.fit(lm, loader);
   auto& strategy = *trainer.strategy();
   auto& pg = *trainer.world();

@@ -1,5 +1,4 @@
-// fsdp-bench floor / llmc: a training step against what this machine can do, measured in one run
-// (issue 17 goals 4 and 5).
+// fsdp-bench floor / llmc: a training step against what this machine can do, measured in one run.
 //
 //   fsdp-bench floor [--model transformer-1b] [--devices 2] [--backend mpi] [--steps 4]
 //       Runs fsdp-train FULL_SHARD and prints its step time beside a floor computed from rates
@@ -220,7 +219,7 @@ int threads_per_rank(int devices) {
 
 // ---------------------------------------------------------------------------------------------
 int run_floor(const std::vector<std::string>& args) {
-  CLI::App app{"fsdp-bench floor: an FSDP step against the machine's floor (issue 17 goal 4)",
+  CLI::App app{"fsdp-bench floor: an FSDP step against the machine's floor",
                "fsdp-bench floor"};
   fsdp::bench::TrainRun run;
   run.model = "transformer-1b";
@@ -248,7 +247,7 @@ int run_floor(const std::vector<std::string>& args) {
   if (fsdp_train.empty()) fsdp_train = (fsdp::bench::self_dir() / "fsdp-train").string();
   run.dir = work_dir_for("floor", work_dir);
 
-  json out{{"bench", "floor"}, {"goal", "FULL_SHARD step <= 1.5 x floor (issue 17 goal 4)"}};
+  json out{{"bench", "floor"}, {"goal", "FULL_SHARD step <= 1.5 x floor"}};
   const int threads = threads_per_rank(run.devices);
   out["config"] = {{"model", run.model},       {"vocab_size", run.vocab_size}, {"devices", run.devices},
                    {"batch_size", run.batch_size}, {"block_size", run.block_size},
@@ -407,8 +406,7 @@ json run_llmc(const fs::path& exe, const fs::path& dir, int steps, int threads) 
 }
 
 int run_llmc_bench(const std::vector<std::string>& args) {
-  CLI::App app{"fsdp-bench llmc: GPT-2 124M single process vs llm.c's CPU trainer (issue 17 "
-               "goal 5)",
+  CLI::App app{"fsdp-bench llmc: GPT-2 124M single process vs llm.c's CPU trainer",
                "fsdp-bench llmc"};
   std::string llmc_dir, fsdp_train, work_dir, cc = "cc";
   int steps = 8;
@@ -430,7 +428,7 @@ int run_llmc_bench(const std::vector<std::string>& args) {
   auto g = fsdp::demos::gpt_preset("gpt2-124m");
 
   json out{{"bench", "llmc"},
-           {"goal", "fsdp.cpp >= 3 x llm.c's CPU trainer; step <= 1.5 x floor (issue 17 goal 5)"},
+           {"goal", "fsdp.cpp >= 3 x llm.c's CPU trainer; step <= 1.5 x floor"},
            {"config", {{"model", "gpt2-124m"}, {"B", B}, {"T", T}, {"precision", "fp32"},
                        {"optimizer", "AdamW lr 1e-4, weight decay 0 (llm.c's)"},
                        {"threads", threads}, {"steps", steps}}}};
@@ -516,9 +514,9 @@ int run_llmc_bench(const std::vector<std::string>& args) {
 }
 
 fsdp::bench::Registrar reg_floor("floor",
-                                 "an FSDP step against a floor measured in the same run (goal 4)",
+                                 "an FSDP step against a floor measured in the same run",
                                  run_floor);
-fsdp::bench::Registrar reg_llmc("llmc", "GPT-2 124M vs llm.c's CPU trainer (goal 5)",
+fsdp::bench::Registrar reg_llmc("llmc", "GPT-2 124M vs llm.c's CPU trainer",
                                 run_llmc_bench);
 
 }  // namespace

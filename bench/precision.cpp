@@ -1,7 +1,7 @@
 // fsdp-bench precision: fp32, bf16 and fp16 on this CPU, op by op and for one demo-model
 // training step (forward + backward, no optimizer), measured in one run. Prints one JSON
 // object: per case the minimum time over --reps runs per dtype and the ratio to fp32
-// (> 1: faster than fp32). The evidence behind README "Precision" (16-mixed / 16-true speed).
+// (> 1: faster than fp32). The evidence behind docs/precision.md (16-mixed / 16-true speed).
 //
 //   fsdp-bench precision [--threads N] [--reps 10] [--model transformer-small]
 //

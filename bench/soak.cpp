@@ -1,5 +1,5 @@
-// fsdp-bench soak: a long FSDP run with periodic sharded checkpoints, watched from outside
-// (issue 16 item 6). Every --sample-s seconds it reads each rank's resident memory, open file
+// fsdp-bench soak: a long FSDP run with periodic sharded checkpoints, watched from outside.
+// Every --sample-s seconds it reads each rank's resident memory, open file
 // descriptors and threads from /proc; at the end it prints the curves and, per rank, the growth
 // after warm-up (first and last thirds compared, and a least-squares slope per hour).
 //
@@ -117,7 +117,7 @@ double slope(const std::vector<double>& t, const std::vector<double>& y) {
 
 int run_soak(const std::vector<std::string>& args) {
   CLI::App app{"fsdp-bench soak: RSS, descriptors and threads of a long FSDP run with "
-               "checkpoints (issue 16)",
+               "checkpoints",
                "fsdp-bench soak"};
   double minutes = 30, sample_s = 10;
   int devices = 4;
@@ -283,7 +283,7 @@ int run_soak(const std::vector<std::string>& args) {
   return died ? 1 : 0;
 }
 
-fsdp::bench::Registrar reg("soak", "RSS, descriptors and threads of a long FSDP run (issue 16)",
+fsdp::bench::Registrar reg("soak", "RSS, descriptors and threads of a long FSDP run",
                            run_soak);
 
 }  // namespace

@@ -1,5 +1,5 @@
 // fsdp-bench faults / overlap: where a training step's time goes besides the math, measured on
-// fsdp-train runs that differ in one thing, all in one invocation. Each prints one JSON object.
+// training runs that differ in one thing, all in one invocation. Each prints one JSON object.
 //
 //   fsdp-bench faults   minor page faults, kernel (sys) and user CPU seconds per step, it/s and
 //                       peak memory with the block cache off (FSDP_ALLOC_CACHE=0) and on, for
@@ -9,7 +9,9 @@
 //                       no data between ranks ("local"), and with every collective waited for
 //                       at once ("serial"): hidden fraction = 1 - (t_real - t_local) /
 //                       (t_serial - t_local) (Note [Benchmark collectives] in
-//                       src/shard/collectives.cpp); with and without --forward-prefetch.
+//                       src/shard/collectives.cpp); with and without --forward-prefetch. Each
+//                       run is `fsdp-bench overlap-run` (bench/overlap_run.cpp), which trains in
+//                       its own process and installs the collectives' mode as an injected hook.
 // Step times are 1 / it/s after the first step (runs.h it_per_s); faults and CPU seconds are
 // getrusage over the same steps, averaged over ranks (fsdp-train --summary-json).
 #include "bench.h"
@@ -54,17 +56,18 @@ void add_common(CLI::App& app, Common& c) {
   app.add_option("--backend", c.backend, "auto | gloo | mpi")
       ->check(CLI::IsMember({"auto", "gloo", "mpi"}))
       ->capture_default_str();
-  app.add_option("--fsdp-train", c.fsdp_train, "path of fsdp-train (default: beside fsdp-bench)");
+  app.add_option("--fsdp-train", c.fsdp_train,
+                 "path of fsdp-train, for faults (default: beside fsdp-bench)");
   app.add_option("--work-dir", c.work_dir, "where logs and summaries go (default: /tmp)");
 }
 
-bool prepare(Common& c, const std::string& name) {
+bool prepare(Common& c, const std::string& name, bool runs_fsdp_train) {
   if (c.fsdp_train.empty()) c.fsdp_train = (fsdp::bench::self_dir() / "fsdp-train").string();
   c.run.dir = c.work_dir.empty() ? fs::temp_directory_path() /
                                        ("fsdp-bench-" + name + "-" + std::to_string(getpid()))
                                  : fs::path(c.work_dir);
   fs::create_directories(c.run.dir);
-  if (!fs::exists(c.fsdp_train)) {
+  if (runs_fsdp_train && !fs::exists(c.fsdp_train)) {
     std::cerr << "fsdp-bench " << name << ": error: " << c.fsdp_train
               << " not found; build it or pass --fsdp-train PATH\n";
     return false;
@@ -119,7 +122,32 @@ class ScopedEnv {
   std::vector<std::pair<std::string, std::optional<std::string>>> saved_;
 };
 
-// One fsdp-train run, reduced to the numbers these benchmarks compare.
+// A run's summary (fsdp-train --summary-json, or fsdp-bench overlap-run's), reduced to the
+// numbers these benchmarks compare.
+json reduce_run(const json& r, const std::string& command) {
+  json out = {{"command", command}, {"load_average_after", load_average()}};
+  if (r.contains("error")) {
+    out["error"] = r["error"];
+    return out;
+  }
+  json ips = fsdp::bench::it_per_s(r.value("step_end_seconds", std::vector<double>{}), 1);
+  out["it_per_s"] = ips;
+  if (ips.is_number()) out["seconds_per_step"] = 1.0 / ips.get<double>();
+  if (r.contains("minor_faults_per_step")) {  // fsdp-train's getrusage over the steps
+    out["minor_faults_per_step"] = mean(r.value("minor_faults_per_step", json::array()));
+    out["sys_seconds_per_step"] = mean(r.value("sys_seconds_per_step", json::array()));
+    out["user_seconds_per_step"] = mean(r.value("user_seconds_per_step", json::array()));
+    const double cpu = out["sys_seconds_per_step"].get<double>() +
+                       out["user_seconds_per_step"].get<double>();
+    out["sys_fraction_of_cpu"] = cpu > 0 ? out["sys_seconds_per_step"].get<double>() / cpu : 0.0;
+  }
+  out["peak_alloc_mb"] = max_of(r.value("peak_alloc_mb", json::array()));
+  out["peak_rss_mb"] = max_of(r.value("peak_rss_mb", json::array()));
+  out["final_loss"] = r.contains("losses") && !r["losses"].empty() ? r["losses"].back() : json();
+  return out;
+}
+
+// One fsdp-train run with `env` set for it, reduced.
 json measure(const Common& c, const std::vector<std::pair<std::string, std::string>>& env,
              const std::vector<std::string>& flags, const std::string& name) {
   std::vector<std::string> all = flags;
@@ -131,25 +159,37 @@ json measure(const Common& c, const std::vector<std::pair<std::string, std::stri
   }
   std::string env_text;
   for (const auto& [k, v] : env) env_text += k + "=" + v + " ";
-  json out = {{"command", env_text + r.value("command", "")},
-              {"load_average_after", load_average()}};
-  if (r.contains("error")) {
-    out["error"] = r["error"];
-    return out;
+  return reduce_run(r, env_text + r.value("command", ""));
+}
+
+// One `fsdp-bench overlap-run` (this program, training in-process) with FSDP's collectives in
+// `mode` ("real" | "local" | "serial"), reduced. The mode is a flag of that run, which installs
+// it as an injected hook: no environment variable reaches the library's collectives.
+json measure_overlap(const Common& c, const std::string& mode,
+                     const std::vector<std::string>& flags, const std::string& name) {
+  const fsdp::bench::TrainRun& run = c.run;
+  const fs::path summary = run.dir / (name + ".json");
+  std::vector<std::string> argv = {
+      (fsdp::bench::self_dir() / "fsdp-bench").string(), "overlap-run",
+      "--model", run.model, "--vocab-size", std::to_string(run.vocab_size),
+      "--devices", std::to_string(run.devices), "--batch-size", std::to_string(run.batch_size),
+      "--block-size", std::to_string(run.block_size), "--steps", std::to_string(run.steps),
+      "--dropout", std::to_string(run.dropout), "--lr", std::to_string(run.lr),
+      "--seed", std::to_string(run.seed), "--backend", c.backend, "--collectives", mode,
+      "--summary", summary.string()};
+  argv.insert(argv.end(), flags.begin(), flags.end());
+  std::error_code ec;
+  fs::remove(summary, ec);
+  const fs::path out = run.dir / (name + ".out"), err = run.dir / (name + ".err");
+  const int code = fsdp::bench::run_program(argv, out, err, run.timeout_s);
+  json r;
+  if (code != 0 || !fs::exists(summary)) {
+    r["error"] = "fsdp-bench overlap-run exited with status " + std::to_string(code) + ": " +
+                 fsdp::bench::tail(fsdp::bench::read_text(err));
+  } else {
+    r = json::parse(fsdp::bench::read_text(summary));
   }
-  json ips = fsdp::bench::it_per_s(r.value("step_end_seconds", std::vector<double>{}), 1);
-  out["it_per_s"] = ips;
-  if (ips.is_number()) out["seconds_per_step"] = 1.0 / ips.get<double>();
-  out["minor_faults_per_step"] = mean(r.value("minor_faults_per_step", json::array()));
-  out["sys_seconds_per_step"] = mean(r.value("sys_seconds_per_step", json::array()));
-  out["user_seconds_per_step"] = mean(r.value("user_seconds_per_step", json::array()));
-  const double cpu = out["sys_seconds_per_step"].get<double>() +
-                     out["user_seconds_per_step"].get<double>();
-  out["sys_fraction_of_cpu"] = cpu > 0 ? out["sys_seconds_per_step"].get<double>() / cpu : 0.0;
-  out["peak_alloc_mb"] = max_of(r.value("peak_alloc_mb", json::array()));
-  out["peak_rss_mb"] = max_of(r.value("peak_rss_mb", json::array()));
-  out["final_loss"] = r.contains("losses") && !r["losses"].empty() ? r["losses"].back() : json();
-  return out;
+  return reduce_run(r, fsdp::bench::command_line(argv));
 }
 
 double ratio(const json& a, const json& b, const char* key) {
@@ -174,7 +214,7 @@ int run_faults(const std::vector<std::string>& args) {
   CLI::App app{"fsdp-bench faults: page faults and kernel time per step, block cache off vs on"};
   add_common(app, c);
   if (auto status = fsdp::bench::parse_args(app, "faults", args)) return *status;
-  if (!prepare(c, "faults")) return 1;
+  if (!prepare(c, "faults", /*runs_fsdp_train=*/true)) return 1;
   json out = {{"bench", "faults"}, {"config", config_of(c)}};
   bool ok = true;
   for (const std::string strategy : {"fsdp", "ddp"}) {
@@ -211,18 +251,15 @@ int run_overlap(const std::vector<std::string>& args) {
   app.add_flag("--no-forward-prefetch", no_forward_prefetch,
                "measure the default configuration only");
   if (auto status = fsdp::bench::parse_args(app, "overlap", args)) return *status;
-  if (!prepare(c, "overlap")) return 1;
+  if (!prepare(c, "overlap", /*runs_fsdp_train=*/false)) return 1;
   json out = {{"bench", "overlap"}, {"config", config_of(c)}};
   bool ok = true;
-  std::vector<std::pair<std::string, std::vector<std::string>>> configs = {
-      {"default", {"--strategy", "fsdp"}}};
-  if (!no_forward_prefetch) {
-    configs.push_back({"forward_prefetch", {"--strategy", "fsdp", "--forward-prefetch"}});
-  }
+  std::vector<std::pair<std::string, std::vector<std::string>>> configs = {{"default", {}}};
+  if (!no_forward_prefetch) configs.push_back({"forward_prefetch", {"--forward-prefetch"}});
   for (const auto& [label, flags] : configs) {
-    json real = measure(c, {}, flags, label + "-real");
-    json local = measure(c, {{"FSDP_BENCH_COLLECTIVES", "local"}}, flags, label + "-local");
-    json serial = measure(c, {{"FSDP_BENCH_COLLECTIVES", "serial"}}, flags, label + "-serial");
+    json real = measure_overlap(c, "real", flags, label + "-real");
+    json local = measure_overlap(c, "local", flags, label + "-local");
+    json serial = measure_overlap(c, "serial", flags, label + "-serial");
     json r = {{"real", real}, {"local", local}, {"serial", serial}};
     if (real.contains("seconds_per_step") && local.contains("seconds_per_step") &&
         serial.contains("seconds_per_step")) {

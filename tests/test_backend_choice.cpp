@@ -97,7 +97,7 @@ TEST(BackendChoice, FsdpTrainDefaultPrintsItsChoiceAndTrains) {
       "--batch-size", "2", "--devices", "2", "--strategy", "fsdp", "--no-progress-bar",
       "--default-root-dir",
       (std::filesystem::temp_directory_path() / "fsdp_backend_choice_logs").string()};
-  auto r = run_process(args, {{"FSDP_BACKEND", ""}, {"FSDP_BACKEND_ANNOUNCED", ""}});
+  auto r = run_process(args, {{"FSDP_BACKEND", ""}});
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   const std::string expected = fsdp::detail::mpi_built() ? "[fsdp] backend mpi (auto: one host"
                                                          : "[fsdp] backend gloo (auto: one host";
@@ -106,7 +106,7 @@ TEST(BackendChoice, FsdpTrainDefaultPrintsItsChoiceAndTrains) {
   EXPECT_EQ(r.err.find("[fsdp] backend", r.err.find(expected) + 1), std::string::npos) << r.err;
 
   // FSDP_BACKEND (or --backend) decides: no auto, no line.
-  r = run_process(args, {{"FSDP_BACKEND", "gloo"}, {"FSDP_BACKEND_ANNOUNCED", ""}});
+  r = run_process(args, {{"FSDP_BACKEND", "gloo"}});
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   EXPECT_EQ(r.err.find("[fsdp] backend"), std::string::npos) << r.err;
 }

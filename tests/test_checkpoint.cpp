@@ -56,16 +56,35 @@ struct Run {
   TinyLM lm;
   std::shared_ptr<torch::optim::Optimizer> opt;
 
+  // The disk tier's settings of the "+nvme" kinds: several sub-groups with boundaries inside
+  // parameters; with "+params" every unit on disk.
+  static fsdp::OffloadPolicy nvme_policy(bool params) {
+    fsdp::OffloadPolicy p = fsdp::OffloadPolicy::nvme(nvme_dir().string(), params);
+    p.disk.sub_group_size = 5000;
+    p.disk.aio.block_size = 8192;
+    p.disk.aio.queue_depth = 4;
+    p.disk.params_buffer_count = 3;
+    p.disk.params_buffer_size = 1000000;
+    p.disk.max_in_cpu = 0;
+    return p;
+  }
+
+  // kind: a strategy name, "hybrid", "hybrid_zero2", and "fsdp" or a "deepspeed*" name with
+  // "+nvme" (the optimizer on disk) or "+nvme+params" (the parameters too).
   Run(const std::string& kind, const std::string& optimizer = "adamw") {
-    if (kind == "fsdp" || kind == "hybrid" || kind == "hybrid_zero2") {
+    const size_t nvme = kind.find("+nvme");
+    const bool params_on_disk = kind.find("+params") != std::string::npos;
+    const std::string base = kind.substr(0, nvme);
+    if (base == "fsdp" || base == "hybrid" || base == "hybrid_zero2") {
       fsdp::FSDPOptions o;
       o.auto_wrap_policy =
           fsdp::AutoWrapPolicy::of_types(fsdp::demos::layer_types("transformer-tiny"));
-      if (kind != "fsdp") {  // 2 x 2 at world 4: shard groups {0,1}, {2,3}
-        o.sharding_strategy = kind == "hybrid" ? fsdp::ShardingStrategy::kHybridShard
+      if (base != "fsdp") {  // 2 x 2 at world 4: shard groups {0,1}, {2,3}
+        o.sharding_strategy = base == "hybrid" ? fsdp::ShardingStrategy::kHybridShard
                                                : fsdp::ShardingStrategy::kHybridShardZero2;
         o.hybrid_shard_size = 2;
       }
+      if (nvme != std::string::npos) o.offload_policy = nvme_policy(params_on_disk);
       strategy = std::make_shared<fsdp::FSDPStrategy>(o);
     } else if (kind.rfind("deepspeed", 0) == 0) {
       // Small buckets (several per model) and most stage-3 parameters sharded (the 1-d ones
@@ -74,23 +93,22 @@ struct Run {
       o.reduce_bucket_size = 6000;
       o.allgather_bucket_size = 9000;
       o.stage3_param_persistence_threshold = 64;
-      const size_t nvme = kind.find("+nvme");
-      if (nvme != std::string::npos) {
+      if (nvme != std::string::npos) {  // the same settings as FSDP's policy, DeepSpeed's names
+        const fsdp::OffloadPolicy p = nvme_policy(params_on_disk);
         o.offload_optimizer = true;
         o.offload_optimizer_device = "nvme";
-        o.nvme_path = nvme_dir().string();
-        o.sub_group_size = 5000;  // several sub-groups, boundaries inside parameters
-        o.aio.block_size = 8192;
-        o.aio.queue_depth = 4;
-        if (kind.find("+params", nvme) != std::string::npos) {
+        o.nvme_path = p.disk.path;
+        o.sub_group_size = static_cast<double>(p.disk.sub_group_size);
+        o.aio = p.disk.aio;
+        if (params_on_disk) {
           o.offload_parameters = true;
           o.offload_params_device = "nvme";
-          o.params_buffer_count = 3;
-          o.params_buffer_size = 1e6;
-          o.max_in_cpu = 0;  // every unit on disk
+          o.params_buffer_count = p.disk.params_buffer_count;
+          o.params_buffer_size = static_cast<double>(p.disk.params_buffer_size);
+          o.max_in_cpu = static_cast<double>(p.disk.max_in_cpu);
         }
       }
-      strategy = fsdp::make_deepspeed_strategy(kind.substr(0, nvme), o);
+      strategy = fsdp::make_deepspeed_strategy(base, o);
     } else {
       strategy = fsdp::make_strategy(kind);
     }
@@ -472,14 +490,17 @@ void disk_resume(int world, const std::string& backend) {
   }
 }
 
-// Parameters on disk too (offload_param nvme, stage 3; Note [Checkpoints of parameters on
-// disk]): the checkpoint holds every parameter with its full shape, written by the ranks that
-// hold its rows; it resumes bitwise at the same world and tier, and at another world size with
-// the parameters on disk, in RAM, and under FSDP at world 1.
-void params_disk_resume(int world, const std::string& backend) {
+// Parameters on disk too (offload_param nvme: DeepSpeed stage 3, or FSDP's OffloadPolicy;
+// Note [Checkpoints of parameters on disk]): the checkpoint holds every parameter with its full
+// shape, written by the ranks that hold its rows; it resumes bitwise at the same world and
+// tier, and at another world size with the parameters on disk (under `kind` and under
+// `other_kind`), in RAM (stage 3), and under FSDP in RAM at world 1.
+void params_disk_resume(int world, const std::string& backend,
+                        const std::string& kind = "deepspeed_stage_3+nvme+params",
+                        const std::string& other_kind = "fsdp+nvme+params") {
   const int other = world == 2 ? 3 : 2;
-  const std::string kind = "deepspeed_stage_3+nvme+params";
-  std::string dir = scratch("nvme-params-" + backend + std::to_string(world));
+  std::string dir = scratch("nvme-params-" + backend + std::to_string(world) + "-" +
+                            kind.substr(0, kind.find('+')));
   fresh_dir(dir);
   make_reference(dir, world, backend, kind, fsdp::StateDictType::kSharded);
   if (!fsdp::testing::in_child_rank()) {
@@ -499,6 +520,7 @@ void params_disk_resume(int world, const std::string& backend) {
   }
   check_resume(dir, world, backend, kind, 0);
   check_resume(dir, other, backend, kind, 1e-5);
+  check_resume(dir, other, backend, other_kind, 1e-5);
   check_resume(dir, other, backend, "deepspeed_stage_3", 1e-5);
   check_resume(dir, 1, backend, "fsdp", 1e-5);
   if (!fsdp::testing::in_child_rank()) {
@@ -513,6 +535,17 @@ TEST(Checkpoint, ParamsOnDiskResumeGlooWorld2) { params_disk_resume(2, "gloo"); 
 TEST(Checkpoint, ParamsOnDiskResumeGlooWorld3) { params_disk_resume(3, "gloo"); }
 TEST(Checkpoint, ParamsOnDiskResumeMpiWorld2) { params_disk_resume(2, "mpi"); }
 TEST(Checkpoint, ParamsOnDiskResumeMpiWorld3) { params_disk_resume(3, "mpi"); }
+// FSDP with OffloadPolicy::nvme: the same checkpoints, resumed by DeepSpeed stage 3 too.
+TEST(Checkpoint, FsdpParamsOnDiskResumeGlooWorld2) {
+  params_disk_resume(2, "gloo", "fsdp+nvme+params", "deepspeed_stage_3+nvme+params");
+}
+TEST(Checkpoint, FsdpParamsOnDiskResumeMpiWorld3) {
+  params_disk_resume(3, "mpi", "fsdp+nvme+params", "deepspeed_stage_3+nvme+params");
+}
+// FSDP with only the optimizer on disk (OffloadPolicy::nvme(path, false)).
+TEST(Checkpoint, FsdpOptimizerOnDiskResumeGlooWorld3) {
+  params_disk_resume(3, "gloo", "fsdp+nvme", "deepspeed_stage_2+nvme");
+}
 
 TEST(Checkpoint, DiskOffloadResumeGlooWorld2) { disk_resume(2, "gloo"); }
 TEST(Checkpoint, DiskOffloadResumeGlooWorld3) { disk_resume(3, "gloo"); }

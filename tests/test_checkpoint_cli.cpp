@@ -2,6 +2,7 @@
 // killed mid-save, a disk-offloaded run killed by SIGKILL and resumed, and fsdp-ckpt
 // inspect/convert checked with an independent numpy reader.
 #include "ckpt/safetensors.h"
+#include "common/injected_hooks.h"
 #include "fsdp/checkpoint.h"
 #include "fully_shard_common.h"
 #include "testing.h"
@@ -176,25 +177,91 @@ TEST(CheckpointCli, SaveTopKByMonitorAndEveryNEpochs) {
   EXPECT_NE(r.err.find("need --checkpoint-dir"), std::string::npos) << r.err;
 }
 
+// Run by CheckpointCli.RankKilledMidSaveLeavesPreviousCheckpoint in a fresh process, with this
+// binary's own flags: a two-rank FSDP fit (the Trainer launches rank 1 by running this binary
+// again, with the same flags) up to --max-steps, saving sharded checkpoints to --ckpt-dir every
+// 2 steps when given, resumed from --resume when given; rank 0 writes the losses to --losses. With
+// --crash-during-save=R:S rank R ends itself (exit status 86) in the middle of writing step S,
+// through the hook a test installs (the library reads no variable for it).
+TEST(CheckpointCrash, DISABLED_FitSavingEveryTwoSteps) {
+  using fsdp::testing::command_line_flag;
+  if (auto crash = command_line_flag("crash-during-save")) {
+    const int rank = std::stoi(crash->substr(0, crash->find(':')));
+    const int64_t step = std::stoll(crash->substr(crash->find(':') + 1));
+    fsdp::detail::InjectedHooks hooks;
+    hooks.during_checkpoint_save = [rank, step](int r, int64_t s) {
+      if (r != rank || s != step) return;
+      std::fprintf(stderr, "[test] injected crash: rank %d exits mid-save (step %lld)\n", r,
+                   static_cast<long long>(s));
+      std::fflush(stderr);
+      ::_exit(86);
+    };
+    fsdp::detail::install_injected_hooks(hooks);
+  }
+  fsdp::TrainerOptions o;
+  o.devices = 2;
+  o.strategy = "fsdp";
+  o.max_steps = std::stoll(command_line_flag("max-steps").value_or("6"));
+  o.limit_train_batches = 4;
+  o.limit_val_batches = 0;
+  o.seed = 7;
+  o.enable_progress_bar = false;
+  o.enable_summary = false;
+  o.logger = false;
+  o.checkpoint_dir = command_line_flag("ckpt-dir").value_or("");
+  o.save_every_n_steps = o.checkpoint_dir.empty() ? 0 : 2;
+  o.state_dict_type = "sharded";
+  fsdp::Trainer trainer(o);
+  auto data = std::make_shared<fsdp::demos::SyntheticCorpus>(fsdp::testing::kVocab, 20000, 7,
+                                                             fsdp::testing::kSeq);
+  fsdp::DataLoader loader(data, 2, fsdp::DistributedSampler(data->size()));
+  fsdp::testing::TinyLM lm;
+  if (auto resume = command_line_flag("resume")) {
+    trainer.fit(lm, loader, *resume);
+  } else {
+    trainer.fit(lm, loader);
+  }
+  if (trainer.is_global_zero()) {
+    std::ofstream(command_line_flag("losses").value()) << json{{"losses", trainer.results().losses}};
+  }
+}
+
 // A rank that dies in the middle of writing step 4 leaves step-2 and `last` loadable.
 TEST(CheckpointCli, RankKilledMidSaveLeavesPreviousCheckpoint) {
+  auto child = [](const std::vector<std::string>& flags,
+                  const std::map<std::string, std::string>& env = {}) {
+    return run_process(plus({"/proc/self/exe",
+                             "--gtest_filter=CheckpointCrash.DISABLED_FitSavingEveryTwoSteps",
+                             "--gtest_also_run_disabled_tests"},
+                            flags),
+                       env, 240);
+  };
   std::string dir = scratch("crash");
-  auto argv = plus(train_argv(dir, 2, 2, 6, "fsdp"),
-                   {"--checkpoint-dir", dir + "/ckpt", "--save-every-n-steps", "2",
-                    "--state-dict-type", "sharded"});
-  auto r = run_process(argv, {{"FSDP_TEST_CRASH_DURING_SAVE", "1:4"}}, 240);
+  auto r = child({"--ckpt-dir=" + dir + "/ckpt", "--crash-during-save=1:4",
+                  "--losses=" + dir + "/crashed.json"});
   EXPECT_NE(r.exit_code, 0) << "the run should fail when rank 1 dies";
-  EXPECT_NE(r.err.find("FSDP_TEST_CRASH_DURING_SAVE"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("injected crash: rank 1 exits mid-save (step 4)"), std::string::npos)
+      << r.err;
   EXPECT_TRUE(fs::exists(dir + "/ckpt/step-2/metadata.json"));
   EXPECT_FALSE(fs::exists(dir + "/ckpt/step-4")) << "an incomplete save was published";
   EXPECT_EQ(fs::read_symlink(dir + "/ckpt/last").string(), "step-2");
   // `last` loads and resumes.
-  auto resumed = run_losses(plus(train_argv(dir, 2, 2, 4, "fsdp"),
-                                 {"--ckpt-path", dir + "/ckpt/last"}),
-                            dir + "/resumed.json");
-  EXPECT_EQ(resumed.size(), 2u);
+  r = child({"--resume=" + dir + "/ckpt/last", "--max-steps=4", "--losses=" + dir + "/resumed.json"});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  std::ifstream resumed(dir + "/resumed.json");
+  ASSERT_TRUE(resumed) << r.out << r.err;
+  EXPECT_EQ(json::parse(resumed)["losses"].size(), 2u);
   auto info = fsdp::inspect_checkpoint(dir + "/ckpt/last");
   EXPECT_EQ(info.progress.global_step, 2);
+
+  // A variable that once made the library crash a rank, left set in the environment, does
+  // nothing: only the test's own flag installs the hook.
+  const std::string left_set = scratch("crash-variable-left-set");
+  r = child({"--ckpt-dir=" + left_set + "/ckpt", "--losses=" + left_set + "/losses.json"},
+            {{"FSDP_TEST_CRASH_DURING_SAVE", "1:4"}});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_TRUE(fs::exists(left_set + "/ckpt/step-4/metadata.json"));
+  EXPECT_TRUE(fs::exists(left_set + "/ckpt/step-6/metadata.json"));
 }
 
 // fsdp-ckpt: inspect, consolidate a sharded checkpoint (read back with numpy), reshard to 3.

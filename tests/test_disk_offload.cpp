@@ -13,6 +13,7 @@
 #include "offload/aio.h"
 #include "offload/nvme_adam.h"
 #include "offload/swap_file.h"
+#include "disk_test_util.h"
 #include "testing.h"
 
 #include <gtest/gtest.h>
@@ -37,17 +38,12 @@
 
 namespace fs = std::filesystem;
 using fsdp::testing::LoopConfig;
+using fsdp::testing::own_dir;
+using fsdp::testing::read_swap_header;
+using fsdp::testing::remove_own_dir;
 using fsdp::testing::TinyLM;
 
 namespace {
-
-// The header at the start of a swap file (its magic and the generation of its last write).
-fsdp::detail::SwapHeader read_swap_header(const std::string& file) {
-  fsdp::detail::SwapHeader h{};
-  std::ifstream in(file, std::ios::binary);
-  in.read(reinterpret_cast<char*>(&h), sizeof h);
-  return h;
-}
 
 // Corrupts `file` in place: the byte at `offset` XOR `mask`.
 void flip_bits(const std::string& file, std::streamoff offset, char mask) {
@@ -478,30 +474,6 @@ TEST(DiskOffload, ParityStage2And3GlooWorld3) { parity_with_disk(3, "gloo"); }
 TEST(DiskOffload, ParityStage2And3MpiWorld2) { parity_with_disk(2, "mpi"); }
 TEST(DiskOffload, ParityStage2And3MpiWorld3) { parity_with_disk(3, "mpi"); }
 
-// Parameters on disk (offload_param nvme) get their own scratch root: /tmp/fsdp_disk_tests is
-// shared with other runs of this file.
-// The root is decided by the first process (the test) and inherited by its ranks.
-std::string own_dir(const std::string& name) {
-  const char* env = std::getenv("FSDP_PARAMS_DISK_TEST_ROOT");
-  if (env == nullptr || *env == 0) {
-    const std::string r = (fs::temp_directory_path() /
-                           ("fsdp_params_disk_tests-" + std::to_string(::getpid()))).string();
-    ::setenv("FSDP_PARAMS_DISK_TEST_ROOT", r.c_str(), 1);
-    env = std::getenv("FSDP_PARAMS_DISK_TEST_ROOT");
-  }
-  fs::path d = fs::path(env) / name;
-  fs::create_directories(d);
-  return d.string();
-}
-
-// Removes `dir` and, once empty, the per-run root own_dir made (the first process only).
-void remove_own_dir(const std::string& dir) {
-  if (fsdp::testing::in_child_rank()) return;
-  std::error_code ec;
-  fs::remove_all(dir, ec);
-  fs::remove(fs::path(dir).parent_path(), ec);  // only when empty: other tests may still use it
-}
-
 fsdp::DeepSpeedOptions params_nvme_options(const std::string& nvme_path) {
   fsdp::DeepSpeedOptions o = nvme_options(3, nvme_path);
   o.offload_parameters = true;
@@ -512,74 +484,24 @@ fsdp::DeepSpeedOptions params_nvme_options(const std::string& nvme_path) {
   return o;
 }
 
-// Stage 3 with parameters and optimizer state on disk against a single process: the same
-// losses and final parameters; at rest every sharded parameter of a unit holds no storage (it
-// is on disk), each unit's record was written at setup and in every step (every read checks
-// its generation and checksum), and the swap directory is gone after the strategy.
-// persistence_threshold 0: no parameter stays whole, and the model is built sharded (deferred
-// init), as a model larger than RAM needs.
+// Stage 3 with parameters and optimizer state on disk against a single process (Note
+// [Parameters on disk]); persistence_threshold 0: no parameter stays whole, and the model is
+// built sharded (deferred init), as a model larger than RAM needs.
 void parity_params_on_disk(int world_size, const std::string& backend,
                            int64_t persistence_threshold = 64) {
   const std::string root = own_dir("params-" + backend + std::to_string(world_size) + "-t" +
                                    std::to_string(persistence_threshold));
-  fsdp::testing::run_ranks(world_size, backend, [&](fsdp::ProcessGroup& pg) {
-    const std::string job = "job-params";
-    ::setenv("FSDP_JOB_ID", job.c_str(), 1);
-    const std::string rank_dir = root + "/" + job + "/rank" + std::to_string(pg.rank());
-    LoopConfig cfg;
-    cfg.steps = 6;
-    TinyLM ref;
-    auto want = fsdp::testing::train_reference(ref, cfg);
-    {
-      TinyLM lm;
-      auto options = params_nvme_options(root);
-      options.stage3_param_persistence_threshold = persistence_threshold;
-      auto strategy = connected(options);
-      int64_t on_disk = 0;
-      auto count_on_disk = [&] {
-        int64_t n = 0;
-        for (auto& p : lm.parameters(true)) {
-          // Not persistent, on disk.
-          if (p.numel() > persistence_threshold && p.storage().nbytes() == 0) ++n;
-        }
-        return n;
-      };
-      cfg.after_setup = [&](fsdp::Strategy&, fsdp::LightningModule&) {
-        const fsdp::ParamDiskPlan* plan = strategy->param_disk_plan();
-        ASSERT_NE(plan, nullptr);
-        EXPECT_GT(plan->units_on_disk, 2);
-        EXPECT_EQ(plan->units_on_disk, plan->units);
-        EXPECT_EQ(static_cast<int64_t>(strategy->param_swap_files().size()), plan->units_on_disk);
-        on_disk = count_on_disk();
-        EXPECT_GT(on_disk, 2) << "no sharded parameter left RAM";
-        if (persistence_threshold == 0) {  // built sharded: units made inside configure_model
-          ASSERT_NE(strategy->stage3_engine(), nullptr);
-          EXPECT_GT(strategy->stage3_engine()->num_deferred_units(), 2);
-        }
-      };
-      auto got = fsdp::testing::train_with(*strategy, lm, cfg);
-      fsdp::testing::expect_losses_close(got, want, 1e-5);
-      EXPECT_EQ(count_on_disk(), on_disk) << "parameters left in RAM after the steps";
-      fsdp::testing::expect_params_close(strategy->gather_full_params(), ref, 1e-5);
-      EXPECT_EQ(count_on_disk(), on_disk) << "parameters left in RAM after gather_full_params";
-      strategy->flush_disk_tier();
-      ASSERT_TRUE(fs::is_directory(rank_dir)) << rank_dir;
-      int64_t bytes = 0;
-      for (const auto& f : strategy->param_swap_files()) {
-        ASSERT_TRUE(fs::exists(f)) << f;
-        bytes += static_cast<int64_t>(fs::file_size(f));
-        const fsdp::detail::SwapHeader h = read_swap_header(f);
-        EXPECT_EQ(std::string(h.magic, 8), "FSDPSWP1") << f;
-        // Written at setup, then once per step, or twice when the unit's parameters sit in
-        // two parameter groups (TinyLM: weights decay, biases do not; the step releases a
-        // unit after each group's part).
-        const uint64_t steps = static_cast<uint64_t>(cfg.steps);
-        EXPECT_TRUE(h.generation == 1 + steps || h.generation == 1 + 2 * steps)
-            << f << ": write #" << h.generation;
-      }
-      EXPECT_EQ(bytes, strategy->param_disk_plan()->disk_bytes);
-    }
-    EXPECT_FALSE(fs::exists(rank_dir)) << "swap directory left after the strategy ended";
+  fsdp::testing::run_ranks(world_size, backend, [&](fsdp::ProcessGroup&) {
+    auto options = params_nvme_options(root);
+    options.stage3_param_persistence_threshold = persistence_threshold;
+    ::setenv("FSDP_JOB_ID", "job-params", 1);
+    fsdp::testing::expect_params_on_disk_parity<fsdp::DeepSpeedStrategy>(
+        [&] { return connected(options); }, root, "job-params",
+        /*whole_numel=*/persistence_threshold, /*expect_deferred=*/persistence_threshold == 0,
+        [](fsdp::DeepSpeedStrategy& s) {
+          fsdp::FSDPStrategy* engine = s.stage3_engine();
+          return engine ? engine->num_deferred_units() : 0;
+        });
   });
   remove_own_dir(root);
 }

@@ -237,7 +237,7 @@ TEST(FullyShardEngine, NamesAndOptionsParseInOnePlace) {
     EXPECT_NE(std::string(e.what()).find("param_dtype must be a floating dtype"), std::string::npos);
   }
   fsdp::FSDPOptions off;  // the identity on a CPU device (said at setup)
-  off.cpu_offload = true;
+  off.offload_policy = fsdp::OffloadPolicy::cpu();
   EXPECT_NO_THROW(fsdp::FSDPStrategy{off});
   fsdp::FSDPOptions sd;
   sd.state_dict_type = "sharded";
@@ -275,10 +275,11 @@ TEST(FullyShardEngine, WorldOneMatchesPlainTraining) {
   }
 }
 
-// cpu_offload on a CPU device is the identity: the same losses and parameters as without it.
+// offload_policy cpu on a CPU device is the identity: the same losses and parameters as
+// without it.
 TEST(FullyShardEngine, CpuOffloadIsTheIdentityOnCpu) {
   fsdp::FSDPOptions opts;
-  opts.cpu_offload = true;
+  opts.offload_policy = fsdp::OffloadPolicy::cpu();
   expect_world_one_matches_plain(opts, 3);
 }
 

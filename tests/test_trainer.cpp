@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "fsdp/fsdp.h"
+#include "testing.h"
 #include "train/progress_bar.h"
 
 #include <cmath>
@@ -89,14 +90,7 @@ fsdp::TrainerOptions quiet_options(const std::string& name) {
   return o;
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
-}
+using fsdp::testing::error_of;
 
 TEST(Trainer, FitRunsMaxStepsAndRecordsFiniteLosses) {
   auto data = corpus();
@@ -355,12 +349,26 @@ TEST(Trainer, CsvLoggerWritesLoggedColumnsInNewVersions) {
   }
 }
 
-TEST(Trainer, ConfigureModelRunsUnderTheActiveStrategy) {
+// A single-device strategy that records what the model's construction tells it.
+struct RecordingStrategy : fsdp::SingleDeviceStrategy {
+  std::vector<const torch::nn::Module*> built, wrapped;
+  void on_module_built(torch::nn::Module& module) override { built.push_back(&module); }
+  void on_module_wrapped(fsdp::nn::Module& module) override { wrapped.push_back(&module); }
+};
+
+struct Identity : fsdp::nn::Module {
+  at::Tensor forward(const fsdp::nn::Inputs& inputs) override { return inputs.at(0); }
+};
+
+// fsdp::nn::built and fsdp::wrap reach the strategy running configure_model -- the Trainer's
+// own -- and nothing outside configure_model.
+TEST(Trainer, ConfigureModelRunsUnderItsStrategy) {
   struct Probe : TinyLM {
-    fsdp::Strategy* seen = nullptr;
+    std::shared_ptr<Identity> unit;
     void configure_model() override {
-      seen = fsdp::active_strategy();
       TinyLM::configure_model();
+      fsdp::nn::built(emb.ptr());
+      if (!unit) unit = register_module("unit", fsdp::wrap(std::make_shared<Identity>()));
     }
   };
   auto data = corpus();
@@ -368,11 +376,41 @@ TEST(Trainer, ConfigureModelRunsUnderTheActiveStrategy) {
   Probe model;
   auto o = quiet_options("active");
   o.max_steps = 1;
+  auto strategy = std::make_shared<RecordingStrategy>();
+  o.strategy = strategy;
   fsdp::Trainer trainer(o);
-  EXPECT_EQ(fsdp::active_strategy(), nullptr);
+  auto outside = std::make_shared<Identity>();
+  fsdp::nn::built(outside);
+  fsdp::wrap(outside);
+  EXPECT_TRUE(strategy->built.empty() && strategy->wrapped.empty()) << "before configure_model";
   trainer.fit(model, train);
-  EXPECT_EQ(model.seen, trainer.strategy().get());
-  EXPECT_EQ(fsdp::active_strategy(), nullptr);
+  EXPECT_EQ(strategy->built, std::vector<const torch::nn::Module*>{model.emb.get()});
+  EXPECT_EQ(strategy->wrapped, std::vector<const torch::nn::Module*>{model.unit.get()});
+  fsdp::nn::built(outside);
+  fsdp::wrap(outside);
+  EXPECT_EQ(strategy->built.size(), 1u) << "after configure_model";
+  EXPECT_EQ(strategy->wrapped.size(), 1u) << "after configure_model";
+
+  // A strategy driven by hand (configure_model_with) gets them just the same; nesting is refused.
+  RecordingStrategy by_hand;
+  Probe other;
+  fsdp::configure_model_with(by_hand, other);
+  EXPECT_EQ(by_hand.built, std::vector<const torch::nn::Module*>{other.emb.get()});
+  EXPECT_EQ(strategy->built.size(), 1u) << "the Trainer's strategy heard another model";
+  struct Nesting : TinyLM {
+    RecordingStrategy* inner = nullptr;
+    void configure_model() override {
+      TinyLM nested;
+      fsdp::configure_model_with(*inner, nested);
+    }
+  } nesting;
+  RecordingStrategy inner;
+  nesting.inner = &inner;
+  std::string e = error_of([&] { fsdp::configure_model_with(by_hand, nesting); });
+  EXPECT_NE(e.find("must not nest"), std::string::npos) << e;
+  // The failed call left no scope behind.
+  fsdp::nn::built(outside);
+  EXPECT_EQ(by_hand.built.size(), 1u);
 }
 
 TEST(Trainer, UnsupportedPrecisionAndAcceleratorFailClearly) {
@@ -479,7 +517,34 @@ TEST(Trainer, SeedEverythingMakesInitReproducible) {
   fsdp::seed_everything(11);
   b.configure_model();
   EXPECT_TRUE(at::equal(a.emb->weight, b.emb->weight));
-  EXPECT_EQ(fsdp::last_seed(), 11u);
+}
+
+// The seed is the Trainer's: it seeds with it before configure_model and reports it, and a
+// second Trainer in the same process that seeds nothing reports no seed.
+TEST(Trainer, HoldsTheSeedItGaveAndTwoTrainersDoNotShareIt) {
+  auto data = corpus();
+  auto val = loader(data);
+  TinyLM reference;
+  fsdp::seed_everything(11);
+  reference.configure_model();
+
+  auto o = quiet_options("seed");
+  o.seed = 11;
+  o.limit_val_batches = 2;
+  TinyLM seeded;
+  fsdp::Trainer first(o);
+  EXPECT_FALSE(first.seed().has_value()) << "nothing seeded before configure_model";
+  torch::manual_seed(12345);  // whatever the process's generator holds, the Trainer seeds it
+  first.validate(seeded, val);
+  EXPECT_EQ(first.seed(), std::optional<uint64_t>(11));
+  EXPECT_TRUE(at::equal(seeded.emb->weight, reference.emb->weight));
+
+  o.seed = -1;
+  TinyLM unseeded;
+  fsdp::Trainer second(o);
+  second.validate(unseeded, val);
+  EXPECT_FALSE(second.seed().has_value());
+  EXPECT_EQ(first.seed(), std::optional<uint64_t>(11));
 }
 
 }  // namespace

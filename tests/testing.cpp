@@ -486,6 +486,36 @@ ProcResult run_process(const std::vector<std::string>& argv,
   return run_with_env(argv, detail::make_env(env), timeout_s, /*capture=*/true);
 }
 
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "";
+}
+
+ScopedSetenv::ScopedSetenv(const std::string& name, const std::string& value) : name_(name) {
+  if (const char* old = std::getenv(name.c_str())) old_ = old;
+  ::setenv(name.c_str(), value.c_str(), 1);
+}
+
+ScopedSetenv::~ScopedSetenv() {
+  if (old_) {
+    ::setenv(name_.c_str(), old_->c_str(), 1);
+  } else {
+    ::unsetenv(name_.c_str());
+  }
+}
+
+std::optional<std::string> command_line_flag(const std::string& name) {
+  const std::string prefix = "--" + name + "=";
+  for (const auto& arg : detail::self_argv()) {
+    if (arg.rfind(prefix, 0) == 0) return arg.substr(prefix.size());
+  }
+  return std::nullopt;
+}
+
 std::string bin_path(const std::string& program) {
   // The FSDP_BIN_DIR environment variable overrides the build's bin directory.
   std::string dir = get_env("FSDP_BIN_DIR", FSDP_BIN_DIR);
@@ -516,6 +546,15 @@ std::string wikitext2_dir() {
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) return "";
   return fs::weakly_canonical(dir, ec).string();
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "";
 }
 
 }  // namespace fsdp::testing

@@ -16,6 +16,7 @@
 
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -38,6 +39,29 @@ ProcResult run_process(const std::vector<std::string>& argv,
                        const std::map<std::string, std::string>& env = {},
                        double timeout_s = 300);
 
+// The value of this test binary's own command-line flag `--name=value`, or nullopt. A test that
+// runs its binary again (run_process on /proc/self/exe) passes such flags to the child, and the
+// ranks a Trainer launches in that child inherit them with the rest of its argv: the way a child
+// learns which injected hooks to install (src/common/injected_hooks.h), since the library reads
+// no environment variable for them.
+std::optional<std::string> command_line_flag(const std::string& name);
+
+// The message (without the C++ backtrace) of the c10::Error `f` throws; "" when it throws none.
+std::string error_of(const std::function<void()>& f);
+
+// Sets an environment variable while it lives, then restores it (or unsets it).
+class ScopedSetenv {
+ public:
+  ScopedSetenv(const std::string& name, const std::string& value);
+  ~ScopedSetenv();
+  ScopedSetenv(const ScopedSetenv&) = delete;
+  ScopedSetenv& operator=(const ScopedSetenv&) = delete;
+
+ private:
+  std::string name_;
+  std::optional<std::string> old_;
+};
+
 // Path of a program built under build/bin (e.g. "fsdp-train").
 std::string bin_path(const std::string& program);
 // fsdp-train on transformer-tiny (synthetic data, dropout 0, seed 7, 10 steps, no progress bar)
@@ -46,5 +70,7 @@ std::string bin_path(const std::string& program);
 nlohmann::json fsdp_train_summary(const std::vector<std::string>& extra, const std::string& tag);
 // ../shared/data/wikitext-2 relative to the source tree, or "" when absent.
 std::string wikitext2_dir();
+// The message (without backtrace) of the c10::Error `f` throws, or "" when it throws none.
+std::string error_of(const std::function<void()>& f);
 
 }  // namespace fsdp::testing

@@ -4,7 +4,7 @@
 //   trainer.fit(model, loader, "ckpt/step-100");              // resume
 //   fsdp::load_weights(plain_model, "ckpt/step-100");         // weights only, no Trainer
 //
-// Formats (no pickle: tensors in safetensors, metadata in JSON; DESIGN.md §3):
+// Formats (no pickle: tensors in safetensors, metadata in JSON; docs/design.md, "Decisions"):
 //
 //   full     DIR/model.safetensors      standard safetensors, FQN keys, full shapes
 //            DIR/optimizer.safetensors  "optim.<fqn>.<stat>" (exp_avg, exp_avg_sq, momentum_buffer)

@@ -3,7 +3,7 @@
 // Two backends implement it: "gloo" (c10d ProcessGroupGloo, TCP, works across hosts) and
 // "mpi" (OpenMPI called directly; shared memory on one host). Both support fp32, bf16, fp16
 // and int64 for every op; where Gloo lacks an op or dtype (reduce-scatter, bf16, AVG) the
-// backend emulates it exactly. See README "Process groups".
+// backend emulates it exactly. See docs/process_groups.md.
 #pragma once
 
 #include <ATen/ATen.h>

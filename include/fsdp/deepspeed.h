@@ -45,7 +45,7 @@ struct DeepSpeedOptions {
   bool zero_optimization = true;  // false (plain DeepSpeed data parallel): use "ddp" instead
   int stage = 2;                  // 1 | 2 | 3
   // "cpu" places parameters and optimizer state in host memory (where they already are on a
-  // CPU device); "nvme" is the disk tier (fsdp/offload.h, README "Disk tier (NVMe offload)"):
+  // CPU device); "nvme" is the disk tier (fsdp/offload.h, docs/offload.md):
   // offload_optimizer_device = "nvme" streams Adam's moments from swap files under nvme_path;
   // offload_params_device = "nvme" (or remote_device = "nvme"; stage 3, with the optimizer on
   // nvme too) keeps each unit's shard of the parameters in a swap file, read before its
@@ -158,6 +158,9 @@ class DeepSpeedStrategy : public Strategy {
   // while configure_model builds it (deferred init: no rank holds the whole model).
   void enter_configure_model() override;
   void exit_configure_model() override;
+  // The finished layers go to that engine (fsdp::wrap is not DeepSpeed's: every module with
+  // parameters is a unit at stage 3, and stages 1-2 have none).
+  void on_module_built(torch::nn::Module& module) override;
   void setup_module(LightningModule& module) override;
   // The config's optimizer (and scheduler) over the set-up module's parameters, replacing the
   // module's own (Lightning: a config optimizer wins).
@@ -200,9 +203,6 @@ class DeepSpeedStrategy : public Strategy {
 
  private:
   void setup_activation_partitioning(LightningModule& module);
-  std::string disk_job_name();
-  std::string make_disk_job_name();
-  void setup_params_on_disk();
   FSDPOptions stage3_engine_options(bool deferred) const;
   void make_stage3_engine(const FSDPOptions& options);
   void setup_disk_tier(torch::optim::Optimizer& optimizer);

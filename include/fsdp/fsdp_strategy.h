@@ -19,6 +19,7 @@
 #pragma once
 
 #include "fsdp/nn.h"
+#include "fsdp/offload.h"
 #include "fsdp/precision.h"
 #include "fsdp/strategy.h"
 
@@ -32,7 +33,7 @@
 
 namespace fsdp {
 
-// What is sharded, and when parameters are resharded (DESIGN.md §3):
+// What is sharded, and when parameters are resharded (docs/design.md, "Decisions"):
 //   kFullShard        params, grads, optimizer state sharded over the world; reshard after forward
 //   kShardGradOp      as kFullShard, but parameters stay unsharded from forward until after backward
 //   kNoShard          replicate everything (like DDP): gradients are all-reduced (average)
@@ -130,11 +131,17 @@ struct FSDPOptions {
   int64_t prefetch_bucket_numel = 0;
   int64_t max_live_numel = 0;
 
-  // CPUOffload(offload_params=True): keep sharded parameters, gradients and the step in host
-  // memory. On a CPU device they are there already: setup says so once and moves nothing; with
-  // parameters on an accelerator it is an error (not implemented). For the disk tier see
-  // DeepSpeedStrategy (offload_*_device "nvme").
-  bool cpu_offload = false;
+  // Where the sharded parameters and the optimizer state live between uses (fsdp/offload.h):
+  //   OffloadPolicy::none()            on the compute device (default)
+  //   OffloadPolicy::cpu()             host memory, the step there (FSDP2's CPUOffloadPolicy,
+  //                                    Lightning's cpu_offload=True). On a CPU device they are
+  //                                    there already: setup says so once and moves nothing; from
+  //                                    an accelerator it is an error (not implemented)
+  //   OffloadPolicy::nvme(path)        the disk tier: each unit's shard and Adam's moments in swap
+  //                                    files (ZeRO-Infinity); nvme(path, false): the moments only
+  // The disk tier needs Adam, AdamW or CPUAdam (its step replaces optimizer.step()), and for
+  // the parameters a shard group of 2+ ranks. See docs/offload.md.
+  OffloadPolicy offload_policy;
 
   // --- owned by later issues: present so configurations can name them, but any non-default
   // value is refused with "not supported yet" until the feature works.
@@ -173,27 +180,46 @@ class FSDPStrategy : public Strategy {
   // Builds the units (manual wraps, else the auto-wrap policy), checks the memory budget,
   // shards every parameter and installs the hooks.
   void setup_module(LightningModule& module) override;
+  // With the optimizer on disk (offload_policy.optimizer nvme): the swap files of the
+  // optimizer's state (every parameter it steps: the shards, and whatever else the caller put
+  // in it). Refuses an optimizer the disk tier cannot step.
+  void setup_optimizer(torch::optim::Optimizer& optimizer) override;
   void pre_forward(LightningModule& module, bool sync) override;
   void backward(const at::Tensor& loss) override;
   void post_backward(LightningModule& module, bool sync) override;
   void post_eval_step(LightningModule& module) override;
   double clip_grad_norm(LightningModule& module, double max_norm) override;
+  // optimizer.step(), or the disk tier's step with the optimizer on disk.
+  void optimizer_step(torch::optim::Optimizer& optimizer) override;
   // Frees the sharded gradients (set_to_none).
   void zero_grad(torch::optim::Optimizer& optimizer) override;
+  // With the optimizer on disk, checkpoints stream the moments from the swap files.
+  StreamedOptimizerState* streamed_optimizer_state() override;
   // Full shapes of the set-up model (tied parameters once), also for units sharded during
   // configure_model; `module` is not needed.
   std::pair<int64_t, int64_t> parameter_counts(torch::nn::Module& module) override;
   // Every parameter split over the shard group, with its full shape and this rank's rows.
   LocalShards local_shards() override;
 
-  // Registered by fsdp::wrap during configure_model.
-  void mark_unit(fsdp::nn::Module& module);
+  // During configure_model: a finished layer (deferred init shards the units the policy selects
+  // in it) and a manually wrapped unit (fsdp::wrap).
+  void on_module_built(torch::nn::Module& module) override;
+  void on_module_wrapped(fsdp::nn::Module& module) override;
   bool has_manual_wraps() const;
 
   // --- introspection for tests and tools (valid after setup_module or plan_module).
   FSDPMemoryEstimate memory_estimate() const;
   // Full parameter values by FQN (collective over the world: every rank calls it).
   std::vector<std::pair<std::string, at::Tensor>> gather_full_params();
+  // The disk tier (offload_policy with nvme): this rank's plans (null without that tier: the
+  // optimizer's after setup_optimizer, the parameters' after setup_module), the swap files
+  // (parameters' and optimizer's), and a wait for the writes still in flight (the swap files
+  // then hold the last step; a no-op without the disk tier).
+  const DiskPlan* disk_plan() const;
+  const ParamDiskPlan* param_disk_plan() const;
+  std::vector<std::string> swap_files() const;
+  std::vector<std::string> param_swap_files() const;
+  void flush_disk_tier();
   // Units sharded during configure_model by deferred initialization (0 when it was off).
   int num_deferred_units() const;
   // Builds the units of `module` (parameters on any device, e.g. meta tensors) as for a world
@@ -209,6 +235,10 @@ class FSDPStrategy : public Strategy {
  private:
   // setup_module: FSDPOptions::activation_checkpointing_policy, unless the model applied its own.
   void apply_checkpointing_policy(LightningModule& module);
+  // setup_module: offload_policy's tiers (fsdp/offload.h): kCpu is checked and said; kNvme
+  // parameters become swap records of the engine's (after sharding).
+  void check_host_offload(LightningModule& module);
+  void place_params_on_disk();
 
   FSDPOptions options_;
   std::string name_ = "fsdp";
@@ -223,9 +253,9 @@ class FSDPStrategy : public Strategy {
 std::vector<std::string> fsdp_strategy_names();
 std::shared_ptr<FSDPStrategy> make_fsdp_strategy(const std::string& name, FSDPOptions options = {});
 
-// Manual wrapping inside configure_model: marks `module` as a unit when the active strategy is
-// an FSDPStrategy, does nothing otherwise. A model with manual wraps is not re-wrapped by the
-// auto-wrap policy. Returns the module.
+// Manual wrapping inside configure_model: marks `module` as a unit when the strategy running
+// configure_model is an FSDPStrategy, does nothing otherwise. A model with manual wraps is not
+// re-wrapped by the auto-wrap policy. Returns the module.
 template <typename M>
 std::shared_ptr<M> wrap(std::shared_ptr<M> module);
 void wrap_module(fsdp::nn::Module& module);

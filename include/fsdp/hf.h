@@ -46,7 +46,7 @@ struct HfLoadOptions {
   bool prepare_for_kbit_training = false;
   // With prepare_for_kbit_training: which non-quantized parameters become fp32 (KbitUpcast in
   // fsdp/lora.h). kAll is PEFT's behaviour; kNone with dtype = kBFloat16 keeps embeddings,
-  // norms and head in bf16 (half their fp32 bytes) -- not what PEFT does, see the README.
+  // norms and head in bf16 (half their fp32 bytes) -- not what PEFT does, see docs/qlora.md.
   KbitUpcast kbit_upcast = KbitUpcast::kAll;
   // get_peft_model: adapters on the targets (no match in the whole model is an error).
   std::optional<LoraConfig> lora;

@@ -7,7 +7,7 @@
 //    ranks are ended within seconds and the program exits non-zero.
 //  - Under torchrun-style env (RANK/WORLD_SIZE), SLURM (SLURM_PROCID, SLURM_NTASKS, ...) or
 //    mpirun (OMPI_COMM_WORLD_*): adopts the given ranks.
-//  - backend "mpi" and not under mpirun: re-executes through `mpirun -n N` (see README).
+//  - backend "mpi" and not under mpirun: re-executes through `mpirun -n N` (see docs/launching.md).
 #pragma once
 
 #include <string>
@@ -45,7 +45,7 @@ LaunchInfo launch_info_from_env();
 
 // Rank 0 of a job spawned by launch(): waits for the other ranks to finish; if one fails,
 // reports it and exits with its code. Optional: an exit hook does the same when main returns
-// (see README "Launcher"). No-op in every other rank and when nothing was spawned.
+// (see docs/launching.md). No-op in every other rank and when nothing was spawned.
 void finalize_ranks();
 
 }  // namespace fsdp

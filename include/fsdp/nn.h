@@ -76,19 +76,14 @@ inline bool is_instance_of(const torch::nn::Module& m, const ModuleTypes& types)
 //
 //   layers->push_back(fsdp::nn::built(std::make_shared<Block>(...)));
 //
-// Outside configure_model under FSDP this returns the module and does nothing else. Under
-// FSDPStrategy (FULL_SHARD / SHARD_GRAD_OP), the units the auto-wrap policy selects inside
-// the module are sharded at once, freeing their full-size storage before the next layer is
-// built. Afterwards module.parameters() of that subtree returns sharded parameters, so
-// change requires_grad or values before built(), not after. The demo models call it for their
-// layers; fsdp::wrap() implies it.
-class InitObserver {
- public:
-  virtual ~InitObserver() = default;
-  virtual void on_built(torch::nn::Module& module) = 0;
-};
-InitObserver* init_observer();                              // this thread's, or null
-InitObserver* set_init_observer(InitObserver* observer);    // returns the previous one
+// Outside configure_model (as the Trainer or fsdp::configure_model_with runs it) this returns the
+// module and does nothing else. Under FSDPStrategy (FULL_SHARD / SHARD_GRAD_OP), the units the
+// auto-wrap policy selects inside the module are sharded at once, freeing their full-size
+// storage before the next layer is built. Afterwards module.parameters() of that subtree returns
+// sharded parameters, so change requires_grad or values before built(), not after. The demo
+// models call it for their layers; fsdp::wrap() implies it. The strategy that receives it is the
+// one running configure_model on this thread (Note [Configure-model scope] in
+// src/train/strategy.cpp).
 void notify_built(torch::nn::Module& module);
 
 template <typename M>

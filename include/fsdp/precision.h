@@ -8,7 +8,7 @@
 //   o.mixed_precision = fsdp::MixedPrecisionPolicy{.param_dtype = at::kBFloat16,
 //                                                  .reduce_dtype = at::kFloat};
 //
-// What each precision does (README "Precision"):
+// What each precision does (docs/precision.md):
 //   "32-true"    fp32 everything (default; alias "32").
 //   "bf16-mixed" FSDP: MixedPrecisionPolicy{bf16, bf16, bf16}: fp32 sharded master parameters
 //                and optimizer state, bf16 all-gather / compute / reduce-scatter.
@@ -26,7 +26,7 @@
 //   "64-true"    the model is cast to fp64 after configure_model (alias "64").
 // fp16 on CPU needs libtorch 2.x (1.13 had no fp16 matmul), and is fast only where oneDNN has
 // fp16 kernels (AVX512-FP16 / AMX-FP16); elsewhere it is correct but far slower than fp32 and
-// bf16 (README "Precision": measured ~100x on this machine's AVX-512-BF16 CPU).
+// bf16 (docs/precision.md; measured in docs/benchmarks/precision_cpu-2core_2026-11-22.md).
 #pragma once
 
 #include "fsdp/comm.h"

@@ -40,9 +40,9 @@
 
 namespace fsdp {
 
-namespace detail {
-class ParamResidency;  // src/offload/param_residency.h
-}  // namespace detail
+namespace nn {
+class Module;  // fsdp/nn.h
+}  // namespace nn
 class LightningModule;
 struct OptimizerConfig;
 struct TrainerOptions;
@@ -76,6 +76,20 @@ struct LocalShard {
   at::Tensor param;
 };
 
+// Shards whose values a strategy keeps away from memory between uses (pages out), e.g. on
+// disk: whoever reads or writes such a shard outside the training step (the checkpointer)
+// brings it in first and hands it back after. Calls nest (counted).
+class ShardPager {
+ public:
+  virtual ~ShardPager() = default;
+  // True when `local`'s values may be away (page_in before reading or writing them).
+  virtual bool pages(const at::Tensor& local) const = 0;
+  // Blocks until `local`'s values are in its storage.
+  virtual void page_in(const at::Tensor& local) = 0;
+  // Done with `local`; `modified`: its values changed (they are written back).
+  virtual void page_out(const at::Tensor& local, bool modified) = 0;
+};
+
 // How this rank holds the model's parameters.
 struct LocalShards {
   // The ranks a sharded parameter is split over; null when nothing is split.
@@ -85,11 +99,11 @@ struct LocalShards {
   int replica_rank = 0;
   // The sharded parameters; every other parameter and buffer is held whole by every rank.
   std::vector<LocalShard> params;
-  // Set when a sharded parameter's values may be away from RAM (parameters on disk: DeepSpeed
-  // stage 3 with offload_param device "nvme"). A `local` it manages holds its values only
-  // between residency->acquire_outside_step(local) and residency->release(local, modified);
-  // checkpoints hold one unit at a time. See Note [Checkpoints of parameters on disk].
-  detail::ParamResidency* residency = nullptr;
+  // Set when a sharded parameter's values may be away from memory (an OffloadPolicy with
+  // parameters on disk). A `local` it pages holds its values only between
+  // pager->page_in(local) and pager->page_out(local, modified); checkpoints hold one unit at a
+  // time. See Note [Checkpoints of parameters on disk] in docs/design.md.
+  ShardPager* pager = nullptr;
 };
 
 // Optimizer state that a strategy keeps outside the optimizer's state() (the disk tier's
@@ -131,9 +145,14 @@ class Strategy {
     launch_ = launch;
   }
 
-  // Active while configure_model runs (fsdp::wrap() asks the active strategy what to do).
+  // Around module.configure_model() (configure_model_with).
   virtual void enter_configure_model() {}
   virtual void exit_configure_model() {}
+  // While configure_model runs under this strategy, what the model's construction says: a
+  // finished layer (fsdp::nn::built) and a module to wrap as a unit (fsdp::wrap). Default:
+  // nothing. See Note [Configure-model scope] in src/train/strategy.cpp.
+  virtual void on_module_built(torch::nn::Module& module) {}
+  virtual void on_module_wrapped(fsdp::nn::Module& module) {}
 
   // The Trainer's precision, before configure_model. Returns true when the strategy carries it
   // out itself (FSDP: "bf16-mixed" / "16-mixed" become its MixedPrecisionPolicy); false leaves
@@ -214,11 +233,10 @@ using StrategyPtr = std::shared_ptr<Strategy>;
 double clip_grad_norm_of_parts(const std::vector<at::Tensor>& grads, ProcessGroup& group,
                                double max_norm);
 
-// The strategy whose configure_model context is active (nullptr outside configure_model).
-Strategy* active_strategy();
-
-// Strategy-driven configure_model: active_strategy() returns `strategy` while
-// strategy.enter_configure_model(), module.configure_model() and exit_configure_model() run.
+// Strategy-driven configure_model, as the Trainer runs it: strategy.enter_configure_model(),
+// module.configure_model(), strategy.exit_configure_model(); fsdp::nn::built and fsdp::wrap
+// called meanwhile on this thread reach `strategy` (on_module_built / on_module_wrapped). It
+// must not nest. See Note [Configure-model scope] in src/train/strategy.cpp.
 void configure_model_with(Strategy& strategy, LightningModule& module);
 
 }  // namespace fsdp

@@ -14,10 +14,10 @@
 //   trainer.fit(model, train_loader);
 //   trainer.print(fsdp::memory_summary());
 //
-// Ranks are processes (DESIGN.md §3): constructing a Trainer with devices > 1 re-executes the
-// program devices-1 times (fsdp::launch), so every rank runs main() up to this point again and
-// then the same fit(). Code before the Trainer runs in every rank as well (each rank re-executes
-// main()); seed before building models so every rank builds the same one.
+// Ranks are processes (docs/design.md, "Decisions"): constructing a Trainer with devices > 1
+// re-executes the program devices-1 times (fsdp::launch), so every rank runs main() up to this
+// point again and then the same fit(). Code before the Trainer runs in every rank as well (each
+// rank re-executes main()); seed before building models so every rank builds the same one.
 //
 // Lightning conventions kept here:
 //   - batch_size is per rank: the Trainer gives the loader a DistributedSampler for its rank and
@@ -41,18 +41,22 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
 
 namespace fsdp {
 
+namespace detail {
+struct Settings;  // src/common/settings.h
+}  // namespace detail
+
 // Seeds every random source a run uses: torch's global generator (parameter init, dropout,
-// shuffling through torch), std::rand, and the seed data samplers default to. Call it before
-// building models; the same seed on every rank gives every rank the same initial parameters.
+// shuffling through torch) and std::rand. Call it before building models; the same seed on every
+// rank gives every rank the same initial parameters. A Trainer with TrainerOptions::seed calls
+// it before configure_model and reports the seed as Trainer::seed().
 void seed_everything(uint64_t seed);
-// The last seed given to seed_everything (0 before any call).
-uint64_t last_seed();
 
 // A strategy by name ("auto", "single", "ddp", "fsdp", ...) or an object. "auto" means
 // "single" for one rank and "ddp" for more, as Lightning's default does for DDP-capable setups.
@@ -109,9 +113,9 @@ struct TrainerOptions {
   std::string default_root_dir = "fsdp_logs";
   // >= 0: seed_everything(seed) before configure_model (same model on every rank).
   int64_t seed = -1;
-  // "auto" | "gloo" | "mpi". "auto" (env FSDP_BACKEND overrides it): mpi when launched by
+  // "auto" | "gloo" | "mpi". "auto" (FSDP_BACKEND overrides it): mpi when launched by
   // mpirun, or on one host when MPI is built and mpirun is on PATH (the program re-runs itself
-  // through mpirun); gloo otherwise. Rank 0 prints the choice and why (README "Process groups").
+  // through mpirun); gloo otherwise. Rank 0 prints the choice and why (docs/process_groups.md).
   std::string process_group_backend = "auto";
   bool logger = true;              // false: no CSV file
   bool enable_summary = true;      // end-of-run summary (it/s, memory table) on rank 0
@@ -223,6 +227,9 @@ class Trainer {
   const ProcessGroupPtr& world() const { return world_; }
   const LaunchInfo& launch_info() const { return launch_; }
   const FitResults& results() const { return results_; }
+  // The seed this Trainer gave seed_everything before configure_model (TrainerOptions::seed),
+  // or nullopt when it seeded nothing (yet).
+  std::optional<uint64_t> seed() const { return seed_; }
   // Latest value of every logged metric during fit (step metrics after each optimizer step,
   // validation metrics after each validation, epoch metrics at epoch end), as Lightning's
   // trainer.callback_metrics. sync_dist metrics are equal on every rank; others are this rank's.
@@ -252,6 +259,8 @@ class Trainer {
   void finish_fit(FitLoop& loop);
 
   TrainerOptions options_;
+  // The environment's settings as this Trainer's constructor read them (before launching).
+  std::unique_ptr<const detail::Settings> settings_;
   LaunchInfo launch_;
   ProcessGroupPtr world_;
   StrategyPtr strategy_;
@@ -272,6 +281,7 @@ class Trainer {
   std::map<std::string, double> callback_metrics_;
   std::vector<CallbackPtr> fit_callbacks_;  // options_.callbacks + the checkpoint_dir sugar
   std::unique_ptr<ShardedGradScaler> grad_scaler_;  // "16-mixed" only
+  std::optional<uint64_t> seed_;
 };
 
 }  // namespace fsdp

@@ -5,7 +5,6 @@
 #include "ckpt/layout.h"
 #include "fsdp/cpu_adam.h"
 #include "fsdp/strategy.h"
-#include "offload/param_residency.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/Generator.h>
@@ -92,7 +91,7 @@ struct LocalTensor {
   at::Tensor streamed;
   int stat = 0;
   // A parameter on disk (Note [Checkpoints of parameters on disk]): the registered tensor the
-  // residency manages; `local`'s storage holds the values only while it is acquired.
+  // strategy's pager pages; `local`'s storage holds the values only while it is paged in.
   at::Tensor on_disk;
   int64_t row_numel() const {
     int64_t n = 1;
@@ -125,48 +124,48 @@ struct Layout {
   // Parameters held whole whose optimizer state is split (ZeRO stages 1 and 2; LocalShard::param
   // set): registered tensor -> the partition the optimizer steps.
   std::unordered_map<const c10::TensorImpl*, LocalShard> partitions;
-  detail::ParamResidency* residency = nullptr;  // parameters on disk (LocalShards::residency)
+  ShardPager* pager = nullptr;  // parameters on disk (LocalShards::pager)
 };
 
 // Note [Checkpoints of parameters on disk]
-// A run with parameters on disk (DeepSpeed stage 3, offload_param nvme) keeps each unit's shard
+// A run with parameters on disk (an OffloadPolicy with params "nvme": FSDP, or DeepSpeed stage 3
+// with offload_param nvme) keeps each unit's shard
 // as a swap record; the shards' storages are empty at rest (Note [Parameters on disk]). Its
 // checkpoints are the sharded (or full) format of any other run: the writer and the loader
 // visit the model tensors in order and hold each parameter on disk only while they copy its
-// rows. ResidentWindow::enter(t) acquires t before it releases the parameter held before, so
+// rows. ResidentWindow::enter(t) pages t in before it pages out the parameter held before, so
 // the parameters of one unit (consecutive in the module's order) share one read of its record,
 // and at most two units' shards are in RAM, whatever the model's size. A load releases with
 // modified = true: each record is written back, with the loaded values, before the next unit
-// after it is read. The acquisitions are outside the training step: they move neither the
+// after it is read. The page-ins are outside the training step: they move neither the
 // recorded access order nor its read-ahead. Streamed optimizer state (the moments, which must be on
 // disk too) follows as for optimizer-only offload, Note [Streamed optimizer state].
 class ResidentWindow {
  public:
-  ResidentWindow(detail::ParamResidency* residency, bool modifies)
-      : residency_(residency), modifies_(modifies) {}
+  ResidentWindow(ShardPager* pager, bool modifies) : pager_(pager), modifies_(modifies) {}
   ResidentWindow(const ResidentWindow&) = delete;
   ResidentWindow& operator=(const ResidentWindow&) = delete;
   ~ResidentWindow() {
     try {
       close();
-    } catch (...) {  // the residency's own error is already on its way (or reported next use)
+    } catch (...) {  // the pager's own error is already on its way (or reported next use)
     }
   }
   // `t`'s values are in its storage until the next enter or close.
   void enter(const LocalTensor& t) {
     if (!t.on_disk.defined()) return;
-    residency_->acquire_outside_step(t.on_disk);
+    pager_->page_in(t.on_disk);
     at::Tensor before = std::exchange(held_, t.on_disk);
-    if (before.defined()) residency_->release(before, modifies_);
+    if (before.defined()) pager_->page_out(before, modifies_);
   }
   void close() {
     if (!held_.defined()) return;
     at::Tensor last = std::exchange(held_, at::Tensor());
-    residency_->release(last, modifies_);
+    pager_->page_out(last, modifies_);
   }
 
  private:
-  detail::ParamResidency* residency_;
+  ShardPager* pager_;
   bool modifies_;
   at::Tensor held_;
 };
@@ -213,7 +212,7 @@ Layout build_layout(Strategy* strategy, torch::nn::Module& module,
     L.shard_world = L.shard_group ? L.shard_group->size() : 1;
     L.shard_rank = L.shard_group ? L.shard_group->rank() : 0;
     L.replica_rank = held.replica_rank;
-    L.residency = held.residency;
+    L.pager = held.pager;
     for (auto& shard : held.params) {
       if (shard.param.defined()) {
         L.partitions.emplace(shard.param.unsafeGetTensorImpl(), std::move(shard));
@@ -236,7 +235,7 @@ Layout build_layout(Strategy* strategy, torch::nn::Module& module,
       t.row_begin = shard.rows.begin;
       t.rows = shard.rows.size();
       t.sharded = true;
-      if (L.residency && L.residency->manages(item.value())) t.on_disk = item.value();
+      if (L.pager && L.pager->pages(item.value())) t.on_disk = item.value();
     } else {
       t.full_shape = t.local.sizes().vec();
       t.dim0 = ckpt::dim0_of(t.full_shape);
@@ -346,7 +345,7 @@ void write_full(const std::string& file, const std::vector<LocalTensor>& ts, con
   if (L.replica_rank != 0) return;  // See Note [Who writes a checkpoint]
   std::unique_ptr<ckpt::SafetensorsWriter> w;
   if (L.shard_rank == 0) w = std::make_unique<ckpt::SafetensorsWriter>(file, full_specs(ts));
-  ResidentWindow window(L.residency, /*modifies=*/false);
+  ResidentWindow window(L.pager, /*modifies=*/false);
   for (size_t i = 0; i < ts.size(); ++i) {
     const LocalTensor& t = ts[i];
     window.enter(t);
@@ -389,7 +388,7 @@ void write_shard(const std::string& file, const Layout& L, int rank, int64_t ste
   }
   ckpt::SafetensorsWriter w(file, specs);
   std::map<std::pair<const c10::TensorImpl*, int>, size_t> pieces;  // (tensor, stat) -> index
-  ResidentWindow window(L.residency, /*modifies=*/false);
+  ResidentWindow window(L.pager, /*modifies=*/false);
   for (size_t i = 0; i < mine.size(); ++i) {
     const LocalTensor* t = mine[i];
     if (t->streamed.defined()) {
@@ -695,7 +694,7 @@ TrainingProgress load_checkpoint(const std::string& dir, Strategy& strategy,
 
   // Data.
   {
-    ResidentWindow window(L.residency, /*modifies=*/true);
+    ResidentWindow window(L.pager, /*modifies=*/true);
     for (const auto& t : L.model) {
       window.enter(t);
       read_local(*src, t, t.local);

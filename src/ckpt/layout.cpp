@@ -2,14 +2,13 @@
 // See Note [Checkpoint layout] in layout.h.
 #include "ckpt/layout.h"
 
+#include "common/injected_hooks.h"
+
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <filesystem>
 #include <sstream>
-
-#include <unistd.h>
 
 namespace fsdp::ckpt {
 
@@ -183,17 +182,9 @@ void Source::read_rows(const std::string& key, int64_t row_begin, int64_t rows,
 }
 
 void maybe_crash_during_save(int rank, int64_t step) {
-  const char* env = std::getenv("FSDP_TEST_CRASH_DURING_SAVE");
-  if (!env || !*env) return;
-  std::string spec = env;
-  auto colon = spec.find(':');
-  int want_rank = std::atoi(spec.substr(0, colon).c_str());
-  if (want_rank != rank) return;
-  if (colon != std::string::npos && std::atoll(spec.substr(colon + 1).c_str()) != step) return;
-  std::fprintf(stderr, "[checkpoint] FSDP_TEST_CRASH_DURING_SAVE: rank %d exits mid-save "
-               "(step %lld)\n", rank, static_cast<long long>(step));
-  std::fflush(stderr);
-  ::_exit(86);
+  // See Note [Injected hooks] in src/common/injected_hooks.h.
+  const auto& hook = detail::injected_hooks().during_checkpoint_save;
+  if (hook) hook(rank, step);
 }
 
 }  // namespace fsdp::ckpt

@@ -86,8 +86,8 @@ std::vector<std::pair<std::string, at::Tensor>> optimizer_stats(torch::optim::Op
                                                                 const at::Tensor& p,
                                                                 int64_t* step);
 
-// Exits the process (_exit) when FSDP_TEST_CRASH_DURING_SAVE is "<rank>" or "<rank>:<step>"
-// matching this save: used only by the crash-safety test.
+// Called after this rank wrote the first tensor of the save of `step`: runs the failure a test
+// injected there (InjectedHooks::during_checkpoint_save), if any.
 void maybe_crash_during_save(int rank, int64_t step);
 
 }  // namespace fsdp::ckpt

@@ -6,6 +6,8 @@
 
 namespace fsdp::detail {
 
+struct Settings;
+
 struct BackendFacts {
   std::string requested = "auto";  // "auto" | "gloo" | "mpi" (FSDP_BACKEND already applied)
   bool mpi_built = false;          // this build has the MPI backend
@@ -23,9 +25,10 @@ struct BackendChoice {
 
 BackendChoice choose_backend(const BackendFacts& facts);
 
-// The facts of this process right now: LaunchInfo from the environment (or `devices` x
-// `num_nodes` when nothing launched it), mpi_built(), `mpirun` on PATH.
-BackendFacts backend_facts(const std::string& requested, int devices, int num_nodes);
+// The facts of this process: the launcher's ranks from `settings` (or `devices` x `num_nodes`
+// when nothing launched it), mpi_built(), `mpirun` on the settings' PATH.
+BackendFacts backend_facts(const std::string& requested, int devices, int num_nodes,
+                           const Settings& settings);
 
 // "[fsdp] backend mpi (auto: ...)": the line a run prints once (rank 0) about its choice.
 std::string describe(const BackendChoice& choice, const std::string& requested);

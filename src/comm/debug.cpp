@@ -75,12 +75,4 @@ std::optional<std::string> check_same_collective(Transport& transport, int group
   return std::nullopt;
 }
 
-bool debug_detail_from_env() {
-  const char* v = std::getenv("FSDP_DEBUG");
-  if (v == nullptr) return false;
-  std::string s(v);
-  for (auto& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return s == "detail";
-}
-
 }  // namespace fsdp::detail

@@ -28,7 +28,4 @@ std::optional<std::string> check_same_collective(Transport& transport, int group
                                                  const CollectiveFingerprint& mine,
                                                  const std::vector<int>& world_ranks);
 
-// FSDP_DEBUG=detail (also "DETAIL"); "off"/"info"/unset disable the checks.
-bool debug_detail_from_env();
-
 }  // namespace fsdp::detail

@@ -3,6 +3,7 @@
 // See Note [Gloo backend] in docs/design.md for why this is not c10d's ProcessGroupGloo.
 #include "comm/gloo_transport.h"
 
+#include "common/settings.h"
 
 #include <gloo/allgather.h>
 #include <gloo/allreduce.h>
@@ -235,7 +236,7 @@ void check_gloo_symbols() {
 std::shared_ptr<::gloo::transport::Device> make_device(const std::string& master_addr,
                                                        int master_port) {
   ::gloo::transport::tcp::attr attr;
-  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname) {
+  if (const std::string ifname = read_settings().gloo_socket_ifname; !ifname.empty()) {
     attr.iface = ifname;
   } else if (is_loopback(master_addr)) {
     attr.hostname = "127.0.0.1";

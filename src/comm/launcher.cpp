@@ -96,7 +96,13 @@ std::string exception_text(std::exception_ptr ep) {
     std::rethrow_exception(ep);
   } catch (const c10::Error& e) {
     // TORCH_SHOW_CPP_STACKTRACES=1 is libtorch's own switch for C++ backtraces in messages.
-    return get_env("TORCH_SHOW_CPP_STACKTRACES") == "1" ? e.what() : e.what_without_backtrace();
+    bool backtrace = false;
+    try {
+      backtrace = read_settings().show_cpp_stacktraces;
+    } catch (const c10::Error&) {
+      // a bad setting is reported where it is read; here it only costs the backtrace
+    }
+    return backtrace ? e.what() : e.what_without_backtrace();
   } catch (const std::exception& e) {
     return e.what();
   } catch (...) {
@@ -160,15 +166,16 @@ void send_failure_notice() {
 
 void install_failure_handlers() {
   static std::atomic<bool> installed{false};
-  LaunchInfo info;
+  Settings settings;
   try {
-    info = launch_info_from_env();
+    settings = read_settings();
   } catch (const c10::Error&) {
   }
+  const LaunchInfo& info = settings.launch;
   g_rank.store(info.rank);
   std::snprintf(g_signal_prefix, sizeof(g_signal_prefix), "[rank %d] ", info.rank);
   std::snprintf(g_world_text, sizeof(g_world_text), "%d", info.world_size);
-  if (has_env(kEnvNotifyFd)) g_notify_fd.store(std::atoi(get_env(kEnvNotifyFd).c_str()));
+  if (settings.notify_fd >= 0) g_notify_fd.store(settings.notify_fd);
   if (installed.exchange(true)) return;
   std::set_terminate(on_terminate);
   struct sigaction sa {};
@@ -235,12 +242,14 @@ void check_options(const LaunchOptions& o) {
   argv.push_back(exe);
   argv.insert(argv.end(), args.begin() + 1, args.end());
   int threads = threads_per_rank(devices);
+  // The variables mpirun's ranks inherit (this process becomes mpirun): see docs/environment.md.
   ::setenv("OMP_NUM_THREADS", std::to_string(threads).c_str(), 1);
   ::setenv(kEnvNumThreads, std::to_string(threads).c_str(), 1);
+  ::setenv(kEnvLauncher, "mpirun", 1);
   if (devices > available_cores()) ::setenv("OMPI_MCA_mpi_yield_when_idle", "1", 1);
   // OpenMPI gives its children a pseudo-terminal for stdout even when ours is a pipe or file;
   // tell them what ours is (ProgressBar::stdout_is_terminal).
-  if (!::getenv("FSDP_STDOUT_IS_TERMINAL")) {
+  if (!read_settings().stdout_is_terminal) {
     ::setenv("FSDP_STDOUT_IS_TERMINAL", ::isatty(STDOUT_FILENO) == 1 ? "1" : "0", 1);
   }
   std::vector<char*> cargv;
@@ -260,7 +269,8 @@ LaunchInfo launch(const LaunchOptions& options) {
   check_options(options);
   // No caching: after spawning, rank 0's own environment says RANK=0 etc., so a second call
   // adopts; and one test process (run_ranks) may see several worlds one after another.
-  LaunchInfo info = launch_info_from_env();
+  const Settings settings = read_settings();
+  LaunchInfo info = settings.launch;
   if (info.source != "none") {
     // Adopt the ranks a launcher (or our own spawner) gave.
     TORCH_CHECK(options.devices <= 0 || options.devices == info.local_world_size, "[launch] ",
@@ -293,8 +303,8 @@ LaunchInfo launch(const LaunchOptions& options) {
   if (options.backend == "mpi") exec_through_mpirun(devices);
 
   // Spawn devices-1 copies of this program; this process is rank 0.
-  std::string addr = get_env("MASTER_ADDR", "127.0.0.1");
-  int port = has_env("MASTER_PORT") ? std::atoi(get_env("MASTER_PORT").c_str()) : free_port();
+  std::string addr = info.master_addr;  // MASTER_ADDR, else 127.0.0.1
+  int port = info.master_port > 0 ? info.master_port : free_port();
   int threads = threads_per_rank(devices);
   std::map<std::string, std::string> common = {
       {"WORLD_SIZE", std::to_string(devices)},
@@ -304,7 +314,7 @@ LaunchInfo launch(const LaunchOptions& options) {
       {"GROUP_RANK", "0"},
       {kEnvLauncher, "spawn"},
       // One job id for the ranks spawned here; see Note [Rendezvous handshake].
-      {"FSDP_JOB_ID", has_env("FSDP_JOB_ID") ? get_env("FSDP_JOB_ID") : random_job_id()},
+      {"FSDP_JOB_ID", !settings.job_id.empty() ? settings.job_id : random_job_id()},
   };
   for (const auto& [k, v] : common) ::setenv(k.c_str(), v.c_str(), 1);
   ::setenv("RANK", "0", 1);

@@ -2,6 +2,7 @@
 // spawning rank processes and watching them (the Supervisor), environment helpers.
 #pragma once
 
+#include "common/settings.h"
 #include "fsdp/launcher.h"
 
 #include <sys/types.h>
@@ -15,13 +16,12 @@ namespace fsdp::detail {
 
 // --- environment ------------------------------------------------------------------------
 
-// Environment variables the launcher sets or reads (see README "Launcher").
+// Environment variables the launcher sets for the ranks it starts (read back through
+// Settings, src/common/settings.h; documented in docs/environment.md).
 constexpr const char* kEnvNotifyFd = "FSDP_LAUNCH_NOTIFY_FD";  // see Note [Failure notice]
-constexpr const char* kEnvLauncher = "FSDP_LAUNCHER";          // "spawn" | "fsdp-run" | "test"
+// "spawn" | "mpirun" (fsdp::launch) | "fsdp-run" | "test"
+constexpr const char* kEnvLauncher = "FSDP_LAUNCHER";
 constexpr const char* kEnvNumThreads = "FSDP_NUM_THREADS";
-
-std::string get_env(const char* name, const std::string& fallback = "");
-bool has_env(const char* name);
 
 // CPUs this process may run on (sched_getaffinity; respects cpusets and taskset).
 int available_cores();
@@ -31,10 +31,6 @@ int threads_per_rank(int local_ranks);
 
 // A TCP port that was free a moment ago on 127.0.0.1 (bind to port 0, read it, close).
 int free_port();
-
-// First host of a SLURM node list ("node[03-05,07]" -> "node03", "a,b" -> "a"); "" when the
-// list has a form we do not expand (then the user sets MASTER_ADDR).
-std::string first_slurm_host(const std::string& nodelist);
 
 // Absolute path of this executable and this process's argv (from /proc/self).
 std::string self_exe();

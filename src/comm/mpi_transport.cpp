@@ -1,6 +1,7 @@
 #include "comm/mpi_transport.h"
 
 #include "comm/rendezvous.h"
+#include "common/settings.h"
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
@@ -53,11 +54,8 @@ namespace {
 // Where rank 0's heartbeat store listens when ranks run on other hosts: MASTER_ADDR when it is
 // set and not loopback, else the first up, non-loopback IPv4 address of this host.
 std::string store_address_for_other_hosts() {
-  const char* master = std::getenv("MASTER_ADDR");
-  if (master && *master && std::string(master).rfind("127.", 0) != 0 &&
-      std::string(master) != "localhost") {
-    return master;
-  }
+  const std::string master = read_settings().launch.master_addr;  // 127.0.0.1 when unset
+  if (master.rfind("127.", 0) != 0 && master != "localhost") return master;
   ifaddrs* list = nullptr;
   std::string out;
   if (getifaddrs(&list) == 0) {

@@ -4,6 +4,7 @@
 #include "comm/mpi_transport.h"
 #include "comm/process_group_impl.h"
 #include "comm/rendezvous.h"
+#include "common/settings.h"
 
 #include <c10/util/Exception.h>
 
@@ -29,48 +30,21 @@ Globals& globals() {
   return *g;
 }
 
-const char* env(const char* name) {
-  const char* v = std::getenv(name);
-  return (v != nullptr && *v != '\0') ? v : nullptr;
-}
-
-int env_int(const char* name, int fallback) {
-  const char* v = env(name);
-  if (v == nullptr) return fallback;
-  try {
-    size_t pos = 0;
-    int x = std::stoi(v, &pos);
-    TORCH_CHECK(pos == std::string(v).size(), "trailing characters");
-    return x;
-  } catch (const std::exception&) {
-    TORCH_CHECK(false, "[init_process_group] environment variable ", name, "='", v,
-                "' is not an integer");
-  }
-}
-
-BackendKind parse_backend(const std::string& name) {
+BackendKind parse_backend(const std::string& name, const detail::Settings& settings) {
   if (name == "gloo") return BackendKind::kGloo;
   if (name == "mpi") return BackendKind::kMpi;
   if (name == "auto" || name.empty()) {
-    return env("OMPI_COMM_WORLD_SIZE") != nullptr && detail::mpi_built() ? BackendKind::kMpi
-                                                                         : BackendKind::kGloo;
+    return settings.mpirun_world_size && detail::mpi_built() ? BackendKind::kMpi
+                                                             : BackendKind::kGloo;
   }
   TORCH_CHECK(false, "[init_process_group] unknown backend '", name,
               "'; valid backends: gloo, mpi, auto (mpi when launched by mpirun, else gloo)");
 }
 
-std::chrono::milliseconds timeout_from(const ProcessGroupOptions& options) {
-  const char* v = env("FSDP_COLLECTIVE_TIMEOUT_S");
-  if (v == nullptr) return options.timeout;
-  double s = 0;
-  try {
-    s = std::stod(v);
-  } catch (const std::exception&) {
-    s = -1;
-  }
-  TORCH_CHECK(s > 0, "[init_process_group] FSDP_COLLECTIVE_TIMEOUT_S='", v,
-              "' must be a positive number of seconds (e.g. 600)");
-  return std::chrono::milliseconds(static_cast<int64_t>(s * 1000.0));
+std::chrono::milliseconds timeout_from(const ProcessGroupOptions& options,
+                                       const detail::Settings& settings) {
+  if (!settings.collective_timeout_s) return options.timeout;
+  return std::chrono::milliseconds(static_cast<int64_t>(*settings.collective_timeout_s * 1000.0));
 }
 
 void shutdown_all_locked(Globals& g) {
@@ -105,8 +79,9 @@ void track_group(const std::shared_ptr<GroupImpl>& group) {
 }  // namespace detail
 
 ProcessGroupPtr init_process_group(const ProcessGroupOptions& options) {
-  const BackendKind kind = parse_backend(options.backend);
-  const auto timeout = timeout_from(options);
+  const detail::Settings settings = detail::read_settings();
+  const BackendKind kind = parse_backend(options.backend, settings);
+  const auto timeout = timeout_from(options, settings);
   {
     auto& g = globals();
     std::lock_guard<std::mutex> lock(g.mutex);
@@ -116,10 +91,10 @@ ProcessGroupPtr init_process_group(const ProcessGroupOptions& options) {
       g.atexit_registered = true;
     }
   }
-  int rank = options.rank >= 0 ? options.rank
-                               : env_int("RANK", env_int("OMPI_COMM_WORLD_RANK", 0));
-  int size = options.world_size > 0 ? options.world_size
-                                    : env_int("WORLD_SIZE", env_int("OMPI_COMM_WORLD_SIZE", 1));
+  // The launcher's ranks (torchrun-style, mpirun, SLURM, fsdp::launch), unless given.
+  const LaunchInfo& launch = settings.launch;
+  int rank = options.rank >= 0 ? options.rank : launch.rank;
+  int size = options.world_size > 0 ? options.world_size : launch.world_size;
   TORCH_CHECK(size >= 1 && rank >= 0 && rank < size, "[init_process_group] rank ", rank,
               " is not in [0, world size ", size, "); check RANK and WORLD_SIZE");
 
@@ -128,7 +103,7 @@ ProcessGroupPtr init_process_group(const ProcessGroupOptions& options) {
   cfg.name = "world";
   cfg.uid = "world";
   cfg.timeout = timeout;
-  cfg.debug_detail = detail::debug_detail_from_env();
+  cfg.debug_detail = settings.debug == detail::DebugLevel::kDetail;
 
   std::unique_ptr<detail::Transport> transport;
   std::shared_ptr<detail::CommThread> thread;
@@ -138,13 +113,13 @@ ProcessGroupPtr init_process_group(const ProcessGroupOptions& options) {
     TORCH_CHECK(detail::mpi_built(),
                 "[init_process_group] backend 'mpi' is not built in; reconfigure with "
                 "-DFSDP_WITH_MPI=ON or use backend 'gloo'");
-    const bool under_mpirun = env("OMPI_COMM_WORLD_SIZE") != nullptr;
+    const bool under_mpirun = settings.mpirun_world_size.has_value();
     TORCH_CHECK(under_mpirun || size == 1, "[init_process_group] backend 'mpi' at world size ",
                 size,
                 " needs ranks started by mpirun (OMPI_COMM_WORLD_SIZE is not set); run "
                 "`fsdp-run -n N --backend mpi -- PROGRAM` or `mpirun -n N PROGRAM`, or use "
                 "backend 'gloo'");
-    if (under_mpirun && env_int("OMPI_COMM_WORLD_SIZE", 1) > 1) {
+    if (under_mpirun && *settings.mpirun_world_size > 1) {
       auto world = detail::make_mpi_world();
       TORCH_CHECK(options.world_size <= 0 || options.world_size == world.size,
                   "[init_process_group] world_size ", options.world_size,
@@ -160,15 +135,15 @@ ProcessGroupPtr init_process_group(const ProcessGroupOptions& options) {
     detail::GlooWorldOptions go;
     go.rendezvous.rank = rank;
     go.rendezvous.size = size;
-    go.rendezvous.master_addr = !options.master_addr.empty() ? options.master_addr
-                                : env("MASTER_ADDR")         ? env("MASTER_ADDR")
-                                                             : "127.0.0.1";
-    go.rendezvous.master_port =
-        options.master_port > 0 ? options.master_port : env_int("MASTER_PORT", 0);
-    go.rendezvous.job_id = detail::job_id_from_env();
+    go.rendezvous.master_addr =
+        !options.master_addr.empty() ? options.master_addr : launch.master_addr;
+    go.rendezvous.master_port = options.master_port > 0 ? options.master_port : launch.master_port;
+    go.rendezvous.job_id = settings.job_id;
     // Rendezvous can wait for slow-starting ranks longer than one collective may take.
-    go.rendezvous.timeout = detail::rendezvous_timeout_from_env(
-        std::max<std::chrono::milliseconds>(timeout, std::chrono::minutes(1)));
+    go.rendezvous.timeout =
+        settings.rendezvous_timeout_s
+            ? std::chrono::milliseconds(static_cast<int64_t>(*settings.rendezvous_timeout_s * 1000.0))
+            : std::max<std::chrono::milliseconds>(timeout, std::chrono::minutes(1));
     go.timeout = timeout;
     auto world = detail::make_gloo_world(go);
     transport = std::move(world.transport);

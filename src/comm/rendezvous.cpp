@@ -1,6 +1,8 @@
 // Rendezvous: rank 0 hosts a c10d::TCPStore, every rank proves it belongs to the same job.
 #include "comm/rendezvous.h"
 
+#include "common/settings.h"
+
 #include <c10/util/Exception.h>
 #include <c10/util/Logging.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -221,7 +223,7 @@ Rendezvous rendezvous(const RendezvousOptions& o) {
   // c10d logs each failure (with a C++ backtrace) before throwing it, and warns whenever it
   // cannot reverse-resolve a client; we report the exception once, in one sentence. So c10's
   // log level goes to FATAL unless the user chose one (TORCH_CPP_LOG_LEVEL).
-  if (const char* level = std::getenv("TORCH_CPP_LOG_LEVEL"); level == nullptr || *level == '\0') {
+  if (!read_settings().torch_log_level_set) {
     FLAGS_caffe2_log_level = std::max(FLAGS_caffe2_log_level, 3);
   }
   TORCH_CHECK(o.master_port > 0 && o.master_port < 65536, "[init_process_group] world size ",
@@ -312,32 +314,6 @@ std::string hosts_of_ranks(const std::vector<int>& ranks) {
   std::string out;
   for (const auto& h : seen) out += (out.empty() ? "" : ", ") + h;
   return out;
-}
-
-std::string job_id_from_env() {
-  auto env = [](const char* name) -> std::string {
-    const char* v = std::getenv(name);
-    return v ? v : "";
-  };
-  if (!env("FSDP_JOB_ID").empty()) return env("FSDP_JOB_ID");
-  if (!env("TORCHELASTIC_RUN_ID").empty()) return env("TORCHELASTIC_RUN_ID");
-  if (!env("SLURM_JOB_ID").empty()) {
-    std::string id = env("SLURM_JOB_ID");
-    const std::string step = env("SLURM_STEP_ID");
-    if (!step.empty()) id += "." + step;
-    return id;
-  }
-  return "";
-}
-
-std::chrono::milliseconds rendezvous_timeout_from_env(std::chrono::milliseconds fallback) {
-  const char* v = std::getenv("FSDP_RENDEZVOUS_TIMEOUT_S");
-  if (v == nullptr || *v == '\0') return fallback;
-  char* end = nullptr;
-  const double s = std::strtod(v, &end);
-  TORCH_CHECK(end != v && *end == '\0' && s > 0, "[init_process_group] FSDP_RENDEZVOUS_TIMEOUT_S='",
-              v, "' must be a positive number of seconds (e.g. 60)");
-  return std::chrono::milliseconds(static_cast<int64_t>(s * 1000.0));
 }
 
 std::string random_job_id() {

@@ -17,7 +17,7 @@ struct RendezvousOptions {
   int master_port = 0;
   // How long rank 0 waits for the others to join and the others wait to reach rank 0.
   std::chrono::milliseconds timeout{std::chrono::minutes(1)};
-  std::string job_id;  // "" = unnamed; ranks of one job must agree (see job_id_from_env)
+  std::string job_id;  // "" = unnamed; ranks of one job must agree (Settings::job_id)
   std::string local_address;  // this rank's address as the other ranks see it (for the roster)
 };
 
@@ -44,13 +44,6 @@ std::string describe_peer_in(const std::string& error_text);
 // The hosts of these world ranks from the roster, "host h1 at 10.77.0.2" (several joined by
 // ", "); "" when the roster is empty or the ranks are on loopback (one host).
 std::string hosts_of_ranks(const std::vector<int>& ranks);
-
-// The job id of this process: FSDP_JOB_ID, else torchrun's TORCHELASTIC_RUN_ID, else SLURM's
-// SLURM_JOB_ID[.SLURM_STEP_ID], else "".
-std::string job_id_from_env();
-
-// FSDP_RENDEZVOUS_TIMEOUT_S when set (seconds > 0), else `fallback`.
-std::chrono::milliseconds rendezvous_timeout_from_env(std::chrono::milliseconds fallback);
 
 // A fresh random job id (16 hex digits) for launchers that start every rank themselves.
 std::string random_job_id();

@@ -1,5 +1,6 @@
 #include "memory/block_cache.h"
 
+#include "common/settings.h"
 #include "fsdp/memory.h"
 
 #include <c10/core/impl/alloc_cpu.h>
@@ -20,7 +21,7 @@ namespace fsdp::detail {
 // all-gather input and output, its unsharded parameters P, its reduce-scatter buffers, the
 // activations and their gradients. glibc serves blocks above its mmap threshold (128 KiB,
 // adapted up to 32 MiB) with a fresh mmap and returns them with munmap, and trims the heap top
-// on free, so each step the kernel zeroes and maps those pages again: issue 17 measured 1.23 M
+// on free, so each step the kernel zeroes and maps those pages again: we measured 1.23 M
 // minor faults in 20 FULL_SHARD steps of transformer-small (~240 MB re-touched per step) and 19%
 // of the CPU time in the kernel. The cache sits between the tracking allocator and malloc:
 // blocks of at least kCachedBlockMin bytes are rounded up to whole pages and, when freed, kept
@@ -39,7 +40,6 @@ namespace fsdp::detail {
 namespace {
 
 constexpr size_t kPage = 4096;
-constexpr int64_t kDefaultLimit = int64_t{512} << 20;
 
 struct Cache {
   std::mutex mu;
@@ -52,18 +52,7 @@ struct Cache {
   std::unordered_map<size_t, std::vector<std::list<std::pair<size_t, void*>>::iterator>> by_size;
 
   int64_t limit_locked() {
-    if (limit < 0) {
-      limit = kDefaultLimit;
-      if (const char* env = std::getenv("FSDP_ALLOC_CACHE"); env && *env) {
-        try {
-          limit = parse_bytes(env);
-        } catch (const c10::Error& e) {
-          TORCH_CHECK(false, "[memory] FSDP_ALLOC_CACHE='", env,
-                      "' is not a byte count (e.g. 512MiB, 0 to turn the cache off): ",
-                      e.what_without_backtrace());
-        }
-      }
-    }
+    if (limit < 0) limit = read_settings().alloc_cache_bytes;  // FSDP_ALLOC_CACHE
     return limit;
   }
 

@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <sstream>
 
+#include "common/settings.h"
 #include "fsdp/comm.h"
 #include "fsdp/memory.h"
 
@@ -19,8 +20,7 @@ std::string row(const char* name, const std::string& value) {
 
 int this_rank() {
   if (auto world = world_group()) return world->rank();
-  const char* r = std::getenv("RANK");
-  return r ? std::atoi(r) : 0;
+  return detail::read_settings().launch.rank;
 }
 
 }  // namespace

@@ -25,6 +25,7 @@
 #include <mutex>
 #include <sstream>
 
+#include "common/settings.h"
 #include "fsdp/memory.h"
 #include "memory/block_cache.h"
 
@@ -134,14 +135,7 @@ constexpr uint8_t kPriority = 100;
 void install_tracking_allocator() {
   static std::once_flag once;
   std::call_once(once, [] {
-    if (const char* env = std::getenv("FSDP_MEMORY_BUDGET"); env && *env) {
-      try {
-        g_budget.store(parse_bytes(env));
-      } catch (const c10::Error& e) {
-        TORCH_CHECK(false, "[memory] FSDP_MEMORY_BUDGET='", env,
-                    "' is not a byte count: ", e.what_without_backtrace());
-      }
-    }
+    if (auto budget = detail::read_settings().memory_budget) g_budget.store(*budget);
     static TrackingAllocator allocator;  // lives until exit: storages point at it
     c10::SetCPUAllocator(&allocator, kPriority);
     TORCH_INTERNAL_ASSERT(c10::GetCPUAllocator() == &allocator,

@@ -2,6 +2,7 @@
 #include "fsdp/init.h"
 
 #include "fsdp/nn.h"
+#include "nn/construction_scope.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -12,7 +13,9 @@ namespace {
 
 thread_local bool t_empty_init = false;
 thread_local bool t_meta_init = false;
-thread_local nn::InitObserver* t_observer = nullptr;
+// The open construction scope of this thread. See Note [Configure-model scope] in
+// src/train/strategy.cpp.
+thread_local detail::ConstructionScope* t_scope = nullptr;
 
 // The skipped op returns its first argument (self) untouched: in-place ops return self.
 void skip_init_op(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
@@ -87,17 +90,29 @@ MetaInitGuard::~MetaInitGuard() { t_meta_init = impl_->previous; }
 
 namespace nn {
 
-InitObserver* init_observer() { return t_observer; }
-
-InitObserver* set_init_observer(InitObserver* observer) {
-  InitObserver* previous = t_observer;
-  t_observer = observer;
-  return previous;
-}
-
 void notify_built(torch::nn::Module& module) {
-  if (t_observer) t_observer->on_built(module);
+  if (auto* listener = detail::ConstructionScope::current()) listener->on_built(module);
 }
 
 }  // namespace nn
+
+namespace detail {
+
+ConstructionScope::ConstructionScope(ConstructionListener& listener, std::string owner)
+    : listener_(listener), owner_(std::move(owner)) {
+  TORCH_CHECK(t_scope == nullptr, "[configure_model] configure_model is already running under ",
+              t_scope ? t_scope->owner_ : std::string(), " on this thread; it must not nest (",
+              owner_, " was asked to run it inside)");
+  t_scope = this;
+}
+
+ConstructionScope::~ConstructionScope() { t_scope = nullptr; }
+
+ConstructionListener* ConstructionScope::current() { return t_scope ? &t_scope->listener_ : nullptr; }
+
+void notify_wrap(fsdp::nn::Module& module) {
+  if (auto* listener = ConstructionScope::current()) listener->on_wrap(module);
+}
+
+}  // namespace detail
 }  // namespace fsdp

@@ -6,13 +6,16 @@
 // offload_param to NVMe. See Note [Parameters on disk] in docs/design.md.
 #pragma once
 
+#include "fsdp/strategy.h"
+
 #include <ATen/core/Tensor.h>
 
 namespace fsdp::detail {
 
-class ParamResidency {
+// It is the checkpointer's ShardPager (fsdp/strategy.h): paging in is an acquire outside the
+// step, paging out a release.
+class ParamResidency : public ShardPager {
  public:
-  virtual ~ParamResidency() = default;
   // True when `param`'s values may be away from RAM (acquire before reading or writing them).
   virtual bool manages(const at::Tensor& param) const = 0;
   // Blocks until `param`'s values are in its storage; calls nest (counted).
@@ -22,6 +25,10 @@ class ParamResidency {
   // acquire for a use outside the training step (a checkpoint's save or load): the access is
   // not part of the order that prefetching follows, and starts no read-ahead.
   virtual void acquire_outside_step(const at::Tensor& param) { acquire(param); }
+
+  bool pages(const at::Tensor& local) const override { return manages(local); }
+  void page_in(const at::Tensor& local) override { acquire_outside_step(local); }
+  void page_out(const at::Tensor& local, bool modified) override { release(local, modified); }
 };
 
 }  // namespace fsdp::detail

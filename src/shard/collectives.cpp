@@ -4,10 +4,10 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <string>
 
 #include "comm/local_groups.h"
+#include "common/injected_hooks.h"
 #include "fsdp/memory.h"
 
 namespace fsdp::detail {
@@ -15,34 +15,19 @@ namespace fsdp::detail {
 // Note [Benchmark collectives]
 // ----------------------------
 // `fsdp-bench overlap` measures how much of a step's all-gather and reduce-scatter time is
-// hidden behind compute by running the same step three ways (environment variable
-// FSDP_BENCH_COLLECTIVES, read once per process; for benchmarks only, the values it trains to
-// are wrong in "local"):
-//   unset    the real asynchronous collectives;
-//   "local"  no communication: each collective writes its output from this rank's own input
+// hidden behind compute by running the same step three ways (InjectedHooks::collectives, which
+// only fsdp-bench installs; see Note [Injected hooks] in src/common/injected_hooks.h):
+//   kReal    the real asynchronous collectives (always, outside that benchmark);
+//   kLocal   no communication: each collective writes its output from this rank's own input
 //            (the all-gather output gets W copies of the input, the reduce-scatter output this
 //            rank's slice of the input), so the step moves the same bytes through memory and
-//            its values stay finite, but no rank waits for another;
-//   "serial" the real collectives, each waited for as soon as it is issued (nothing overlaps).
+//            its values stay finite, but no rank waits for another (the values it trains to
+//            are wrong);
+//   kSerial  the real collectives, each waited for as soon as it is issued (nothing overlaps).
 // hidden fraction = 1 - (t_real - t_local) / (t_serial - t_local).
 namespace {
 
-enum class BenchCollectives { kReal, kLocal, kSerial };
-
-BenchCollectives bench_collectives() {
-  static const BenchCollectives mode = [] {
-    const char* v = std::getenv("FSDP_BENCH_COLLECTIVES");
-    const std::string s = v ? v : "";
-    if (s.empty()) return BenchCollectives::kReal;
-    if (s == "local") return BenchCollectives::kLocal;
-    if (s == "serial") return BenchCollectives::kSerial;
-    TORCH_CHECK(false, "[FSDP] FSDP_BENCH_COLLECTIVES='", s,
-                "' is not a mode; valid: local, serial (unset for real collectives). See Note "
-                "[Benchmark collectives] in src/shard/collectives.cpp");
-    return BenchCollectives::kReal;  // not reached
-  }();
-  return mode;
-}
+BenchCollectives bench_collectives() { return injected_hooks().collectives; }
 
 }  // namespace
 

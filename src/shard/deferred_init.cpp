@@ -1,6 +1,7 @@
 // Deferred initialization: units sharded while configure_model builds them. See include/fsdp/init.h.
 #include "shard/deferred_init.h"
 
+#include "common/settings.h"
 #include "fsdp/init.h"
 #include "fsdp/strategy.h"
 #include "shard/collectives.h"
@@ -11,7 +12,6 @@
 
 #include <c10/util/Exception.h>
 
-#include <cstdlib>
 #include <functional>
 #include <set>
 #include <unordered_map>
@@ -25,8 +25,9 @@ namespace detail {
 // model (3.8 GiB per rank for transformer-1b). Deferred init shards each unit as soon as it is
 // built, inside configure_model, so a rank holds at most its shards so far plus one full unit:
 //
-//   enter_configure_model  FSDPStrategy creates the FsdpState that will own the model and
-//                          installs a DeferredInit as this thread's fsdp::nn::InitObserver.
+//   enter_configure_model  FSDPStrategy creates the FsdpState that will own the model and a
+//                          DeferredInit, which receives what the model's construction says
+//                          (Note [Configure-model scope] in src/train/strategy.cpp).
 //   fsdp::nn::built(m)     the model says "m is complete" (the demo models do it for every
 //                          layer right after constructing it). The wrap policy picks units
 //                          inside m now (types: every module of a policy type, innermost
@@ -62,16 +63,10 @@ namespace detail {
 // built layer from its parent (the GPT-2 `apply(init_weights)` idiom must run inside each
 // layer's constructor instead).
 
-DeferredInit::DeferredInit(const FSDPStrategy* strategy, FsdpState* state, AutoWrapPolicy policy)
-    : strategy_(strategy), state_(state), policy_(std::move(policy)) {}
-
-bool DeferredInit::active() const {
-  const Strategy* running = fsdp::active_strategy();
-  return static_cast<const Strategy*>(strategy_) == running || (outer_ && outer_ == running);
-}
+DeferredInit::DeferredInit(FsdpState* state, AutoWrapPolicy policy)
+    : state_(state), policy_(std::move(policy)) {}
 
 void DeferredInit::on_built(torch::nn::Module& module) {
-  if (!active()) return;
   if (policy_.kind == AutoWrapPolicy::Kind::kSize ||
       policy_.kind == AutoWrapPolicy::Kind::kPredicate) {
     // As select_units, inside the built subtree (every decision there depends only on the
@@ -94,9 +89,7 @@ void DeferredInit::on_built(torch::nn::Module& module) {
   visit(module);
 }
 
-void DeferredInit::on_wrap(fsdp::nn::Module& module) {
-  if (active()) state_->shard_deferred_unit(module);
-}
+void DeferredInit::on_wrap(fsdp::nn::Module& module) { state_->shard_deferred_unit(module); }
 
 // --- FsdpState: deferred units ------------------------------------------------------------------
 
@@ -222,9 +215,7 @@ bool deferred_init_applies(const FSDPStrategy& strategy) {
   const FSDPOptions& options = strategy.options();
   const ShardingStrategy ss = options.sharding_strategy;
   // FSDP_DEFERRED_INIT=0 turns it off without recompiling (e.g. to compare setup peaks).
-  const char* env = std::getenv("FSDP_DEFERRED_INIT");
-  const bool env_off = env != nullptr && std::string(env) == "0";
-  return options.deferred_init && !env_off && strategy.world_size() > 1 &&
+  return options.deferred_init && read_settings().deferred_init && strategy.world_size() > 1 &&
          !options.sync_module_states &&
          (ss == ShardingStrategy::kFullShard || ss == ShardingStrategy::kShardGradOp);
 }
@@ -241,19 +232,11 @@ void begin_deferred_init(FSDPStrategy& strategy) {
   // Same groups as setup_module makes for these strategies: the world is the shard group.
   impl.deferred_state = std::make_unique<FsdpState>(make_fsdp_config(strategy.options()),
                                                     strategy.world(), nullptr);
-  impl.deferred = std::make_unique<DeferredInit>(&strategy, impl.deferred_state.get(),
+  impl.deferred = std::make_unique<DeferredInit>(impl.deferred_state.get(),
                                                  strategy.options().auto_wrap_policy);
-  impl.deferred->set_outer(impl.outer);
-  fsdp::nn::set_init_observer(impl.deferred.get());
 }
 
-void end_deferred_init(FSDPStrategy& strategy) {
-  FSDPStrategy::Impl& impl = strategy.impl();
-  if (impl.deferred && fsdp::nn::init_observer() == impl.deferred.get()) {
-    fsdp::nn::set_init_observer(nullptr);
-  }
-  impl.deferred.reset();
-}
+void end_deferred_init(FSDPStrategy& strategy) { strategy.impl().deferred.reset(); }
 
 }  // namespace detail
 }  // namespace fsdp

@@ -119,7 +119,8 @@ class FsdpParamGroup {
   void transition(ShardedState next);
 
   // Where the sharded parameters live between all-gathers (parameters on disk); null: in RAM.
-  // See Note [Parameters on disk] in docs/design.md.
+  // Only the FsdpState that built the unit sets it, as its FsdpConfig::offload_params says
+  // (FsdpState::place_params_on_disk). See Note [Parameters on disk] in docs/design.md.
   void set_residency(ParamResidency* residency) { residency_ = residency; }
 
  private:

@@ -191,6 +191,20 @@ void FsdpState::materialize() {
   }
 }
 
+void FsdpState::place_params_on_disk(ParamSwapper::Options options) {
+  TORCH_INTERNAL_ASSERT(config_.offload_params == OffloadDevice::kNvme && !params_on_disk_,
+                        "parameters placed on disk twice, or without offload_params nvme");
+  std::vector<ParamSwapper::UnitParams> units;
+  for (auto& unit : units_) {
+    ParamSwapper::UnitParams up;
+    up.name = unit->name();
+    for (auto& p : unit->params()) up.params.push_back(p->sharded());
+    units.push_back(std::move(up));
+  }
+  params_on_disk_ = std::make_unique<ParamSwapper>(std::move(units), std::move(options));
+  for (auto& unit : units_) unit->set_residency(params_on_disk_.get());
+}
+
 std::vector<FsdpParam*> FsdpState::all_params() const {
   std::vector<FsdpParam*> out;
   for (const auto& unit : units_) {

@@ -7,6 +7,7 @@
 #include "common/liveness.h"
 #include "fsdp/comm.h"
 #include "fsdp/fsdp_strategy.h"
+#include "offload/param_swapper.h"
 #include "shard/fsdp_param_group.h"
 
 #include <algorithm>
@@ -35,6 +36,8 @@ struct FsdpConfig {
   // and stage3_max_live_parameters); 0 = off. See Note [Prefetch window] in fsdp_state.cpp.
   int64_t prefetch_bucket_numel = 0;
   int64_t max_live_numel = 0;
+  // FSDPOptions::offload_policy: where the sharded parameters live between all-gathers.
+  OffloadDevice offload_params = OffloadDevice::kNone;
 };
 
 // A unit to build: the module (null for the root) and its FQN.
@@ -62,6 +65,14 @@ class FsdpState {
   std::vector<FsdpParam*> all_params() const;
   const ProcessGroupPtr& shard_group() const { return shard_group_; }
   const ProcessGroupPtr& replicate_group() const { return replicate_group_; }
+
+  // --- offload (FsdpConfig::offload_params). After materialize(), with offload_params kNvme:
+  // every unit's shard becomes one swap record of a parameter swapper this state owns, and each
+  // unit reads its record before its all-gather. Needs a shard group of 2+ ranks. See Note
+  // [Parameters on disk] in docs/design.md.
+  void place_params_on_disk(ParamSwapper::Options options);
+  // The swapper of place_params_on_disk (null: the parameters are in RAM).
+  ParamSwapper* param_swapper() const { return params_on_disk_.get(); }
 
   // --- one step, driven by FSDPStrategy (fsdp/strategy.h call order).
   void begin_step(bool sync);         // Strategy::pre_forward: the root unit's pre-forward
@@ -121,6 +132,8 @@ class FsdpState {
   FsdpConfig config_;
   ProcessGroupPtr shard_group_;
   ProcessGroupPtr replicate_group_;
+  // Declared before the units: they hold a pointer to it, and it outlives them.
+  std::unique_ptr<ParamSwapper> params_on_disk_;
   std::vector<std::unique_ptr<FsdpParamGroup>> units_;
   // The forward hooks materialize() installed, removed again by the destructor.
   struct InstalledHooks {

@@ -7,6 +7,8 @@
 #include "fsdp/activation_checkpointing.h"
 #include "fsdp/lightning.h"
 #include "fsdp/memory.h"
+#include "nn/construction_scope.h"
+#include "offload/disk_tier.h"
 #include "shard/collectives.h"
 #include "shard/deferred_init.h"
 #include "shard/fsdp_strategy_impl.h"
@@ -24,9 +26,7 @@
 
 namespace fsdp {
 
-void wrap_module(fsdp::nn::Module& module) {
-  if (auto* fsdp = dynamic_cast<FSDPStrategy*>(active_strategy())) fsdp->mark_unit(module);
-}
+void wrap_module(fsdp::nn::Module& module) { detail::notify_wrap(module); }
 
 FSDPStrategy::FSDPStrategy(FSDPOptions options)
     : options_(std::move(options)), impl_(std::make_unique<Impl>()) {
@@ -42,7 +42,11 @@ void FSDPStrategy::enter_configure_model() {
 
 void FSDPStrategy::exit_configure_model() { detail::end_deferred_init(*this); }
 
-void FSDPStrategy::mark_unit(fsdp::nn::Module& module) {
+void FSDPStrategy::on_module_built(torch::nn::Module& module) {
+  if (impl_->deferred) impl_->deferred->on_built(module);
+}
+
+void FSDPStrategy::on_module_wrapped(fsdp::nn::Module& module) {
   auto& manual = impl_->manual_units;
   if (std::find(manual.begin(), manual.end(), &module) == manual.end()) {
     manual.push_back(&module);
@@ -96,20 +100,9 @@ void FSDPStrategy::setup_module(LightningModule& module) {
   apply_checkpointing_policy(module);
   const int world_rank = rank();
   const int world = world_size();
-  if (options_.cpu_offload) {  // See FSDPOptions::cpu_offload.
-    for (const auto& p : module.parameters(/*recurse=*/true)) {
-      TORCH_CHECK(!p.defined() || p.device().is_cpu() || p.device().is_meta(),
-                  "[FSDPStrategy] cpu_offload from an accelerator to host memory is not "
-                  "implemented yet (a parameter is on ", p.device(), ")");
-    }
-    if (world_rank == 0) {
-      std::fprintf(stderr, "[FSDPStrategy] cpu_offload: the compute device is the CPU, so the "
-                   "sharded parameters, gradients and optimizer state already live in host "
-                   "memory and the step runs there; nothing is moved\n");
-    }
-  }
+  check_host_offload(module);
 
-  // Shard and replicate groups. See DESIGN.md §3: sharding strategies are policies.
+  // Shard and replicate groups. See docs/design.md, "Decisions": sharding strategies are policies.
   ProcessGroupPtr shard_group, replicate_group;
   if (!world_ || world == 1) {
     shard_group = world_ ? world_ : detail::make_single_rank_group(world_rank);
@@ -149,9 +142,11 @@ void FSDPStrategy::setup_module(LightningModule& module) {
   // Refuse a configuration that cannot fit before anything is allocated for it.
   const int64_t budget = memory_budget();
   if (budget > 0) {
+    // Tiers on disk are left out: the disk tier checks its own buffers against the budget
+    // (Note [Disk tier swapper], Note [Parameters on disk] in docs/design.md).
     FSDPMemoryEstimate need = memory_estimate();
-    if (impl_->optimizer_on_disk) need.optimizer_bytes = 0;   // See Note [Disk tier swapper]
-    if (impl_->params_on_disk) need.sharded_param_bytes = 0;  // See Note [Parameters on disk]
+    if (options_.offload_policy.optimizer_on_disk()) need.optimizer_bytes = 0;
+    if (options_.offload_policy.params_on_disk()) need.sharded_param_bytes = 0;
     if (need.total_bytes() > budget) {
       std::ostringstream os;
       os << "[FSDPStrategy] " << to_string(options_.sharding_strategy) << " needs "
@@ -185,6 +180,117 @@ void FSDPStrategy::setup_module(LightningModule& module) {
       }
     }
   }
+  if (options_.offload_policy.params_on_disk()) place_params_on_disk();
+}
+
+// OffloadPolicy kCpu (fsdp/offload.h): on a CPU device the identity, said once; from an
+// accelerator not implemented.
+void FSDPStrategy::check_host_offload(LightningModule& module) {
+  const OffloadPolicy& policy = options_.offload_policy;
+  const bool params = policy.params == OffloadDevice::kCpu;
+  const bool optim = policy.optimizer == OffloadDevice::kCpu;
+  if (!params && !optim) return;
+  for (const auto& p : module.parameters(/*recurse=*/true)) {
+    TORCH_CHECK(!p.defined() || p.device().is_cpu() || p.device().is_meta(), "[", name_,
+                "] offload_policy \"cpu\" from an accelerator to host memory is not "
+                "implemented yet (a parameter is on ", p.device(), ")");
+  }
+  if (rank() == 0) {
+    std::fprintf(stderr, "[%s] offload_policy cpu (%s%s%s): the compute device is the CPU, so "
+                 "this state already lives in host memory and the step already runs there; "
+                 "nothing is moved\n", name_.c_str(), params ? "parameters, gradients" : "",
+                 params && optim ? " + " : "", optim ? "optimizer state" : "");
+  }
+}
+
+// --- the disk tier (OffloadPolicy kNvme) ------------------------------------------------------
+
+namespace {
+
+// Where this rank's swap files go; the job's name is decided once (a collective).
+detail::DiskPlacement disk_placement(FSDPStrategy& strategy, std::string& job) {
+  if (job.empty()) {
+    job = detail::disk_job_name(strategy.options().offload_policy.disk, strategy.world().get());
+  }
+  detail::DiskPlacement at;
+  at.job = job;
+  at.rank = strategy.rank();
+  at.ranks_sharing_disk = std::max(1, strategy.launch_info().local_world_size);
+  at.who = "[" + strategy.name() + "]";
+  return at;
+}
+
+}  // namespace
+
+// Note [Parameters on disk] in docs/design.md: every unit's shard becomes one swap record; the
+// units' all-gathers and the disk tier's optimizer step acquire them.
+void FSDPStrategy::place_params_on_disk() {
+  detail::FsdpState& state = *impl_->state;
+  TORCH_CHECK(state.shard_group()->size() > 1, "[", name_, "] parameters on disk (offload "
+              "params \"nvme\") need at least 2 ranks in the shard group: with one rank nothing "
+              "is sharded, so there is no all-gather to read the parameters for. HINT: --devices 2 "
+              "or more, or keep the parameters in RAM with the optimizer state on disk "
+              "(OffloadPolicy::nvme(path, /*params=*/false); DeepSpeed: offload_params_device "
+              "\"cpu\")");
+  const detail::DiskPlacement at = disk_placement(*this, impl_->job);
+  state.place_params_on_disk(detail::param_swapper_options(options_.offload_policy.disk, at));
+  std::fprintf(stderr, "%s rank %d: parameters on disk (offload_param device nvme):\n%s",
+               at.who.c_str(), rank(), state.param_swapper()->plan().describe().c_str());
+}
+
+void FSDPStrategy::setup_optimizer(torch::optim::Optimizer& optimizer) {
+  if (!options_.offload_policy.optimizer_on_disk()) return;
+  TORCH_CHECK(impl_->state, "[", name_, "] setup_optimizer before setup_module");
+  TORCH_CHECK(!impl_->nvme, "[", name_, "] setup_optimizer called twice with the disk tier");
+  const detail::DiskPlacement at = disk_placement(*this, impl_->job);
+  const NvmeOffloadOptions& nvme = options_.offload_policy.disk;
+  impl_->nvme = std::make_unique<detail::NvmeAdam>(optimizer, detail::nvme_adam_options(nvme, at));
+  impl_->nvme->set_residency(impl_->state->param_swapper());
+  std::fprintf(stderr, "%s rank %d: optimizer state on disk (offload_optimizer device nvme, aio "
+               "block_size %lld, queue_depth %d):\n%s", at.who.c_str(), rank(),
+               static_cast<long long>(nvme.aio.block_size), nvme.aio.queue_depth,
+               impl_->nvme->plan().describe().c_str());
+}
+
+void FSDPStrategy::optimizer_step(torch::optim::Optimizer& optimizer) {
+  detail::ParamSwapper* swapper = impl_->state ? impl_->state->param_swapper() : nullptr;
+  TORCH_CHECK(!options_.offload_policy.optimizer_on_disk() || impl_->nvme, "[", name_,
+              "] the optimizer state is on disk (offload optimizer \"nvme\"), but its disk "
+              "tier was not set up: setup_optimizer was not called with this optimizer, or it "
+              "failed. The disk tier's step replaces optimizer.step()");
+  if (impl_->nvme) {
+    impl_->nvme->step(optimizer);  // See Note [Disk tier swapper]
+  } else {
+    optimizer.step();
+  }
+  if (swapper) swapper->end_step();
+}
+
+StreamedOptimizerState* FSDPStrategy::streamed_optimizer_state() { return impl_->nvme.get(); }
+
+const DiskPlan* FSDPStrategy::disk_plan() const {
+  return impl_->nvme ? &impl_->nvme->plan() : nullptr;
+}
+
+const ParamDiskPlan* FSDPStrategy::param_disk_plan() const {
+  auto* swapper = impl_->state ? impl_->state->param_swapper() : nullptr;
+  return swapper ? &swapper->plan() : nullptr;
+}
+
+std::vector<std::string> FSDPStrategy::param_swap_files() const {
+  auto* swapper = impl_->state ? impl_->state->param_swapper() : nullptr;
+  return swapper ? swapper->files() : std::vector<std::string>{};
+}
+
+std::vector<std::string> FSDPStrategy::swap_files() const {
+  std::vector<std::string> out = impl_->nvme ? impl_->nvme->files() : std::vector<std::string>{};
+  for (const auto& f : param_swap_files()) out.push_back(f);
+  return out;
+}
+
+void FSDPStrategy::flush_disk_tier() {
+  if (impl_->nvme) impl_->nvme->flush();
+  if (auto* swapper = impl_->state ? impl_->state->param_swapper() : nullptr) swapper->flush();
 }
 
 // --- one step: straight to the engine ----------------------------------------------------------
@@ -252,15 +358,36 @@ LocalShards FSDPStrategy::local_shards() {
                                     p->shard_rows(), p->rows_of(out.shard_group->rank()),
                                     /*param=*/at::Tensor()});
   }
+  out.pager = state.param_swapper();  // Note [Checkpoints of parameters on disk]
   return out;
 }
 
 std::vector<std::pair<std::string, at::Tensor>> FSDPStrategy::gather_full_params() {
   detail::FsdpState& state = detail::state_of(*this);
+  // Parameters on disk: every shard in RAM for the gather (a tool for tests and export, not
+  // the step).
+  detail::ParamSwapper* swapper = state.param_swapper();
+  std::vector<at::Tensor> paged;
+  auto page_out = [&] {
+    for (auto& t : paged) swapper->page_out(t, /*modified=*/false);
+    paged.clear();
+  };
   std::vector<std::pair<std::string, at::Tensor>> out;
-  for (auto* p : state.all_params()) {
-    out.emplace_back(p->fqn(), detail::gather_full(*p, *state.shard_group()));
+  try {
+    if (swapper) {
+      for (auto* p : state.all_params()) {
+        swapper->page_in(p->sharded());
+        paged.push_back(p->sharded());
+      }
+    }
+    for (auto* p : state.all_params()) {
+      out.emplace_back(p->fqn(), detail::gather_full(*p, *state.shard_group()));
+    }
+  } catch (...) {
+    page_out();
+    throw;
   }
+  page_out();
   return out;
 }
 

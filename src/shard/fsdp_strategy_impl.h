@@ -4,6 +4,7 @@
 #pragma once
 
 #include "fsdp/fsdp_strategy.h"
+#include "offload/nvme_adam.h"
 #include "shard/deferred_init.h"
 #include "shard/fsdp_state.h"
 
@@ -22,14 +23,11 @@ struct FSDPStrategy::Impl {
   std::unique_ptr<detail::DeferredInit> deferred;
   int num_deferred_units = 0;
 
-  // The disk tier (DeepSpeedStrategy, stage 3): the Adam state, or the sharded parameters,
-  // live on disk; the budget check at setup leaves them out (the disk tier checks its own
-  // buffers against the budget).
-  bool optimizer_on_disk = false;
-  bool params_on_disk = false;
-  // The strategy running this engine (DeepSpeedStrategy, stage 3): fsdp::active_strategy()
-  // while its configure_model runs, so deferred init shards for it.
-  const Strategy* outer = nullptr;
+  // The optimizer on disk (FSDPOptions::offload_policy.optimizer nvme), after setup_optimizer:
+  // steps in place of optimizer.step(). Declared after `state`: it pages the parameters through
+  // the state's swapper, so it goes first.
+  std::unique_ptr<detail::NvmeAdam> nvme;
+  std::string job;  // the disk tier's directory under disk.path: decided once (a collective)
 };
 
 namespace detail {

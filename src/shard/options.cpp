@@ -1,5 +1,5 @@
-// The names FSDP accepts, parsed in one place each (DESIGN.md §5.3), and FSDPOptions turned
-// into the engine's configuration.
+// The names FSDP accepts, parsed in one place each (docs/design.md, "Decisions"), and
+// FSDPOptions turned into the engine's configuration.
 #include "shard/options.h"
 
 #include "common/text.h"
@@ -135,6 +135,7 @@ FsdpConfig make_fsdp_config(const FSDPOptions& options) {
   for (const auto& t : options.ignored_params) config.ignored.insert(t.unsafeGetTensorImpl());
   config.prefetch_bucket_numel = options.prefetch_bucket_numel;
   config.max_live_numel = options.max_live_numel;
+  config.offload_params = options.offload_policy.params;
   return config;
 }
 
@@ -176,6 +177,12 @@ void check_options(const FSDPOptions& o) {
               "ignored parameters exist. HINT: set FSDPOptions::deferred_init = false");
   TORCH_CHECK(o.state_dict_type == "full", "[FSDPStrategy] state_dict_type='", o.state_dict_type,
               "' is not supported yet; only 'full' is accepted for now");
+  check_offload_policy(o.offload_policy, "[FSDPStrategy]");
+  TORCH_CHECK(!o.offload_policy.params_on_disk() ||
+                  o.sharding_strategy != ShardingStrategy::kNoShard,
+              "[FSDPStrategy] parameters on disk (offload_policy.params nvme) need a sharding "
+              "strategy that shards: NO_SHARD keeps every parameter whole, so there is no "
+              "all-gather to read them for. HINT: FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD");
   TORCH_CHECK(o.hybrid_shard_size >= 0, "[FSDPStrategy] hybrid_shard_size must be >= 0 (0 = "
               "ranks of one node), got ", o.hybrid_shard_size);
 }

@@ -109,7 +109,7 @@ std::optional<std::string> precision_performance_warning(Precision precision) {
   return std::string("[precision] '") + to_string(precision) +
          "': this CPU has no oneDNN fp16 kernels (they need AVX512-FP16 or AMX-FP16), so fp16 "
          "matmuls run in libtorch's fallback, 30-1000x slower than fp32 as measured on such a CPU "
-         "(README \"Precision\"); 'bf16-mixed' is the fast choice here.";
+         "(docs/precision.md); 'bf16-mixed' is the fast choice here.";
 }
 
 void check_precision_supported(Precision precision) {

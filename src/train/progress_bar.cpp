@@ -20,10 +20,8 @@ ProgressBar::ProgressBar(std::ostream& out, bool is_terminal, int64_t total_step
       start_(Clock::now()),
       last_draw_(start_) {}
 
-// FSDP_STDOUT_IS_TERMINAL: set by the launcher before it re-executes through mpirun, whose
-// children see a pseudo-terminal whatever the user's stdout is.
-bool ProgressBar::stdout_is_terminal() {
-  if (const char* v = std::getenv("FSDP_STDOUT_IS_TERMINAL")) return std::string(v) == "1";
+bool ProgressBar::stdout_is_terminal(std::optional<bool> told) {
+  if (told) return *told;
   return isatty(fileno(stdout)) == 1;
 }
 

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <iosfwd>
 #include <map>
+#include <optional>
 #include <string>
 
 namespace fsdp::detail {
@@ -29,7 +30,10 @@ class ProgressBar {
   // collectives), or over all steps when only one step ran.
   double steps_per_second(int64_t step) const;
 
-  static bool stdout_is_terminal();
+  // Whether stdout redraws a line: `told` (FSDP_STDOUT_IS_TERMINAL, which the launcher sets
+  // before it re-executes through mpirun, whose children see a pseudo-terminal whatever the
+  // user's stdout is) when set, else isatty(stdout).
+  static bool stdout_is_terminal(std::optional<bool> told);
   static std::string format_duration(double seconds);  // "00:05", "1:02:03"
 
  private:

@@ -1,8 +1,10 @@
-// Strategy: the defaults every strategy inherits, the active-strategy slot fsdp::wrap() reads
-// while configure_model runs, and the dim-0 row layout the checkpointer shares with FSDP.
+// Strategy: the defaults every strategy inherits, configure_model under a strategy (the
+// construction scope fsdp::wrap() and fsdp::nn::built() reach it through), and the dim-0 row
+// layout the checkpointer shares with FSDP.
 #include "fsdp/strategy.h"
 
 #include "fsdp/lightning.h"
+#include "nn/construction_scope.h"
 
 #include <c10/util/Exception.h>
 
@@ -58,27 +60,45 @@ LocalShards Strategy::local_shards() {
   return shards;
 }
 
+// Note [Configure-model scope]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// While module.configure_model() runs, the model tells the strategy two things: a layer is
+// finished (fsdp::nn::built, which deferred initialization shards at once; see Note [Deferred
+// initialization] in src/shard/deferred_init.cpp) and a module is to be a unit (fsdp::wrap).
+// The strategy is passed explicitly wherever it can be: configure_model_with is given it, the
+// Trainer gives it its own, and DeepSpeed stage 3 hands the finished layers to its FSDP engine.
+// The model's calls cannot be given it: built() runs inside the constructors of plain libtorch
+// modules (the demo models' factories, a user's own blocks) that know nothing of strategies or
+// of the LightningModule they will be registered in, and a libtorch module has no link to its
+// parent through which wrap(block) could look one up. So configure_model_with opens a
+// construction scope for exactly the duration of the call (detail::ConstructionScope,
+// src/nn/construction_scope.h): a thread-local pointer to the running strategy, set here and
+// nowhere else, cleared on return and on exception, refusing to nest. It is the construction
+// context Python users know as deepspeed.zero.Init() and FSDP1's enable_wrap(). It is not
+// process state: another thread, and everything outside the call (a model built before fit, a
+// second Trainer), sees no scope, and built() / wrap() then do nothing.
+
 namespace {
-Strategy* g_active_strategy = nullptr;
+
+class StrategyListener final : public detail::ConstructionListener {
+ public:
+  explicit StrategyListener(Strategy& strategy) : strategy_(strategy) {}
+  void on_built(torch::nn::Module& module) override { strategy_.on_module_built(module); }
+  void on_wrap(fsdp::nn::Module& module) override { strategy_.on_module_wrapped(module); }
+
+ private:
+  Strategy& strategy_;
+};
+
 }  // namespace
 
-Strategy* active_strategy() { return g_active_strategy; }
-
 void configure_model_with(Strategy& strategy, LightningModule& module) {
-  TORCH_CHECK(g_active_strategy == nullptr,
-              "[configure_model] configure_model is already running under strategy '",
-              g_active_strategy ? g_active_strategy->name() : "", "'; it must not nest");
-  // Active for the whole enter/configure/exit sequence: fsdp::wrap() may be called from any of it.
-  g_active_strategy = &strategy;
-  try {
-    strategy.enter_configure_model();
-    module.configure_model();
-    strategy.exit_configure_model();
-  } catch (...) {
-    g_active_strategy = nullptr;
-    throw;
-  }
-  g_active_strategy = nullptr;
+  StrategyListener listener(strategy);
+  // The whole enter/configure/exit sequence: fsdp::wrap() may be called from any of it.
+  detail::ConstructionScope scope(listener, "strategy '" + strategy.name() + "'");
+  strategy.enter_configure_model();
+  module.configure_model();
+  strategy.exit_configure_model();
 }
 
 }  // namespace fsdp

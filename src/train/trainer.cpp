@@ -4,6 +4,7 @@
 #include "fsdp/offload.h"
 
 #include "comm/backend_choice.h"
+#include "common/settings.h"
 #include "common/text.h"
 #include "fsdp/comm.h"
 #include "fsdp/memory.h"
@@ -27,8 +28,6 @@
 
 namespace fsdp {
 namespace {
-
-uint64_t g_last_seed = 0;
 
 const std::vector<std::string> kAccelerators = {"cpu", "auto", "cuda", "gpu"};
 
@@ -62,16 +61,22 @@ void check_limit(const char* name, double v) {
   }
 }
 
-std::string resolve_backend(const std::string& option) {
-  std::string b = option;
-  if (b == "auto") {
-    const char* env = std::getenv("FSDP_BACKEND");
-    if (env && *env) b = env;
-  }
+// TrainerOptions::process_group_backend; "auto" defers to FSDP_BACKEND when set (the settings
+// checked its value).
+std::string resolve_backend(const std::string& option, const detail::Settings& settings) {
+  const std::string b = option == "auto" && !settings.backend.empty() ? settings.backend : option;
   TORCH_CHECK(b == "auto" || b == "gloo" || b == "mpi", "[Trainer] unknown process group backend '",
-              b, "'", option == "auto" ? " (from env FSDP_BACKEND)" : "",
-              "; valid values: 'auto', 'gloo', 'mpi'");
+              b, "'; valid values: 'auto', 'gloo', 'mpi'");
   return b;
+}
+
+// The backend choice is said once per job: by the process that launches (before spawning or
+// re-running through mpirun), or by rank 0 of ranks another launcher started. Ranks that
+// fsdp::launch started itself ("spawn", "mpirun") stay quiet: their launcher said it.
+bool announces_backend(const detail::Settings& settings) {
+  const LaunchInfo& launch = settings.launch;
+  if (launch.source == "none") return true;
+  return launch.rank == 0 && settings.launched_by != "spawn" && settings.launched_by != "mpirun";
 }
 
 void check_options(const TrainerOptions& o) {
@@ -134,32 +139,25 @@ double seconds_since(Clock::time_point t) { return seconds_between(t, Clock::now
 void seed_everything(uint64_t seed) {
   torch::manual_seed(seed);
   std::srand(static_cast<unsigned>(seed));
-  g_last_seed = seed;
 }
-
-uint64_t last_seed() { return g_last_seed; }
 
 std::vector<std::string> Trainer::precision_names() { return fsdp::precision_names(); }
 
 std::vector<std::string> Trainer::accelerator_names() { return kAccelerators; }
 
 Trainer::Trainer(TrainerOptions options) : options_(std::move(options)) {
-  // Checked before launching, so a bad option fails once in the parent, not in every rank.
+  // Checked before launching, so a bad option or setting fails once in the parent, not in
+  // every rank. The environment is read here, once (src/common/settings.h).
   check_options(options_);
-  const std::string requested = resolve_backend(options_.process_group_backend);
+  auto settings = std::make_unique<const detail::Settings>(detail::read_settings());
+  const std::string requested = resolve_backend(options_.process_group_backend, *settings);
   // See Note [Backend auto] in comm/backend_choice.cpp.
   const detail::BackendFacts facts =
-      detail::backend_facts(requested, options_.devices, options_.num_nodes);
+      detail::backend_facts(requested, options_.devices, options_.num_nodes, *settings);
   const detail::BackendChoice choice = detail::choose_backend(facts);
   const std::string& backend = choice.backend;
-  // Said once per job: by the process that launches (before spawning or re-running through
-  // mpirun), or by rank 0 of ranks someone else launched.
-  constexpr const char* kAnnounced = "FSDP_BACKEND_ANNOUNCED";
-  const char* announced = std::getenv(kAnnounced);
-  if (requested == "auto" && facts.world_size > 1 && (announced == nullptr || *announced == 0) &&
-      (facts.launcher == "none" || launch_info_from_env().rank == 0)) {
+  if (requested == "auto" && facts.world_size > 1 && announces_backend(*settings)) {
     std::cerr << detail::describe(choice, requested) << std::endl;
-    ::setenv(kAnnounced, "1", 1);
   }
 
   LaunchOptions lo;
@@ -174,10 +172,10 @@ Trainer::Trainer(TrainerOptions options) : options_(std::move(options)) {
   }
   install_tracking_allocator();
   // No budget given: this rank's share of the memory available now (see memory.h).
-  if (const char* env = std::getenv("FSDP_MEMORY_BUDGET"); (env == nullptr || *env == '\0') &&
-                                                           memory_budget() == 0) {
+  if (!settings->memory_budget && memory_budget() == 0) {
     set_memory_budget(default_memory_budget(launch_.local_world_size));
   }
+  settings_ = std::move(settings);
   world_ = world_group();
   if (!world_) {
     ProcessGroupOptions pgo;
@@ -213,7 +211,10 @@ void Trainer::print(const std::string& text) const {
 void Trainer::setup_model(LightningModule& module) {
   module.attach_trainer(this);
   if (configured_module_ == &module) return;
-  if (options_.seed >= 0) seed_everything(static_cast<uint64_t>(options_.seed));
+  if (options_.seed >= 0) {
+    seed_ = static_cast<uint64_t>(options_.seed);
+    seed_everything(*seed_);
+  }
   // Precision (fsdp/precision.h), before configure_model (which may already shard): a strategy
   // may carry it out itself (FSDP: bf16-mixed / 16-mixed is its MixedPrecisionPolicy);
   // otherwise bf16-mixed / 16-mixed run the steps under CPU autocast, and bf16-true / 16-true /
@@ -434,7 +435,8 @@ std::unique_ptr<Trainer::FitLoop> Trainer::setup_fit(LightningModule& module,
   }
   if (is_global_zero() && o.enable_progress_bar) {
     L.bar = std::make_unique<detail::ProgressBar>(
-        std::cout, detail::ProgressBar::stdout_is_terminal(), L.total_steps, o.log_every_n_steps);
+        std::cout, detail::ProgressBar::stdout_is_terminal(settings_->stdout_is_terminal),
+        L.total_steps, o.log_every_n_steps);
   }
   return loop;
 }

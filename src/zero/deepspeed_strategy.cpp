@@ -4,6 +4,7 @@
 // persistent parameters the engine ignores. See docs/design.md "ZeRO stages".
 #include "fsdp/deepspeed.h"
 
+#include "common/settings.h"
 #include "fsdp/activation_checkpointing.h"
 #include "fsdp/comm.h"
 
@@ -11,9 +12,8 @@
 #include "fsdp/lightning.h"
 #include "fsdp/memory.h"
 #include "fsdp/trainer.h"
+#include "offload/disk_tier.h"
 #include "offload/nvme_adam.h"
-#include "offload/param_swapper.h"
-#include "shard/fsdp_strategy_impl.h"
 #include "zero/partitioner.h"
 #include "zero/warmup_lr.h"
 
@@ -38,11 +38,9 @@ struct DeepSpeedStrategy::Impl {
   // Stage 3: parameters kept whole (fqn, tensor), trainable or not.
   std::vector<std::pair<std::string, at::Tensor>> persistent;
   torch::nn::Module* module = nullptr;
-  // The disk tier (offload_optimizer_device "nvme"): steps in place of optimizer.step().
+  // Stages 1 and 2 with the optimizer on disk (offload_optimizer_device "nvme"): steps in
+  // place of optimizer.step(). Stage 3's engine has its own disk tier: its OffloadPolicy.
   std::unique_ptr<detail::NvmeAdam> nvme;
-  // Parameters on disk (offload_param device "nvme", stage 3): the units' shards.
-  std::unique_ptr<detail::ParamSwapper> params_on_disk;
-  std::string job;  // nvme_path/<job>: decided once (a collective), shared by both tiers
 };
 
 namespace {
@@ -60,6 +58,26 @@ bool optimizer_on_disk(const DeepSpeedOptions& o) {
 // or remote_device "nvme" (Lightning's deepspeed_stage_3_offload_nvme sets both).
 bool params_on_disk(const DeepSpeedOptions& o) {
   return (o.offload_parameters && o.offload_params_device == "nvme") || o.remote_device == "nvme";
+}
+
+// The OffloadPolicy of these options (stage 3's engine is built with it; stages 1 and 2 use its
+// nvme settings for their optimizer on disk).
+OffloadPolicy offload_policy_of(const DeepSpeedOptions& o) {
+  auto device = [](bool on, const std::string& d) {
+    return !on ? OffloadDevice::kNone : parse_offload_device(d);
+  };
+  OffloadPolicy p;
+  p.params = params_on_disk(o) ? OffloadDevice::kNvme
+                               : device(o.offload_parameters, o.offload_params_device);
+  p.optimizer = device(o.offload_optimizer, o.offload_optimizer_device);
+  p.pin_memory = o.pin_memory;
+  p.disk.path = o.nvme_path;
+  p.disk.aio = o.aio;
+  p.disk.params_buffer_count = o.params_buffer_count;
+  p.disk.params_buffer_size = static_cast<int64_t>(o.params_buffer_size);
+  p.disk.max_in_cpu = static_cast<int64_t>(o.max_in_cpu);
+  p.disk.sub_group_size = static_cast<int64_t>(o.sub_group_size);
+  return p;
 }
 
 // Stages 1 and 2 keep every parameter whole, so a model can be too large for them where stage
@@ -205,7 +223,7 @@ DeepSpeedStrategy::DeepSpeedStrategy(DeepSpeedOptions options)
   // replaces the defaults (and the preset's stage).
   std::string config = options_.config;
   if (config.empty()) {
-    if (const char* env = std::getenv("PL_DEEPSPEED_CONFIG_PATH"); env && *env) config = env;
+    config = detail::read_settings().deepspeed_config_path;  // PL_DEEPSPEED_CONFIG_PATH
   }
   if (!config.empty()) options_ = parse_deepspeed_config(config, &training_);
   check_options(options_);
@@ -234,7 +252,8 @@ void DeepSpeedStrategy::setup_module(LightningModule& module) {
                 "implemented yet (parameters are on ", params.front().second.device(), ")");
     const bool to_cpu_opt = options_.offload_optimizer && !optimizer_on_disk(options_);
     const bool to_cpu_params = options_.offload_parameters && !params_on_disk(options_);
-    if (rank() == 0 && (to_cpu_opt || to_cpu_params)) {
+    // Stage 3's engine says it for its OffloadPolicy.
+    if (rank() == 0 && options_.stage < 3 && (to_cpu_opt || to_cpu_params)) {
       std::fprintf(stderr, "[deepspeed] %s%s%s: the compute device is the CPU, so this state "
                    "already lives in host memory and the step already runs there; nothing is "
                    "moved\n",
@@ -283,7 +302,6 @@ void DeepSpeedStrategy::setup_module(LightningModule& module) {
   std::vector<std::pair<std::string, at::Tensor>> persistent_trainable;
   if (impl_->fsdp) {
     impl_->fsdp->setup_module(module);
-    if (params_on_disk(options_)) setup_params_on_disk();
     return;
   }
   FSDPOptions fo = stage3_engine_options(/*deferred=*/false);
@@ -304,38 +322,6 @@ void DeepSpeedStrategy::setup_module(LightningModule& module) {
     impl_->zero =
         std::make_unique<detail::ZeroPartitioner>(world_, std::move(persistent_trainable), zo);
   }
-  if (params_on_disk(options_)) setup_params_on_disk();
-}
-
-// Note [Parameters on disk] in docs/design.md: every unit's shard becomes one swap record; the
-// engine's all-gathers and the disk tier's optimizer step acquire them.
-void DeepSpeedStrategy::setup_params_on_disk() {
-  detail::FsdpState& state = detail::state_of(*impl_->fsdp);
-  TORCH_CHECK(state.shard_group()->size() > 1, "[deepspeed] parameters on disk (offload_param "
-              "\"nvme\") need at least 2 ranks: with one rank stage 3 does not shard, so there "
-              "is no all-gather to read the parameters for. HINT: --devices 2 or more, or keep "
-              "the parameters in RAM (offload_params_device \"cpu\") with the optimizer state "
-              "on disk");
-  std::vector<detail::ParamSwapper::UnitParams> units;
-  for (auto& unit : state.units()) {
-    detail::ParamSwapper::UnitParams up;
-    up.name = unit->name();
-    for (auto& p : unit->params()) up.params.push_back(p->sharded());
-    units.push_back(std::move(up));
-  }
-  detail::ParamSwapper::Options o;
-  o.nvme_path = options_.nvme_path;
-  o.job = disk_job_name();
-  o.rank = rank();
-  o.ranks_sharing_disk = std::max(1, launch_.local_world_size);
-  o.buffer_count = options_.params_buffer_count;
-  o.buffer_size = static_cast<int64_t>(options_.params_buffer_size);
-  o.max_in_cpu = static_cast<int64_t>(options_.max_in_cpu);
-  o.aio = options_.aio;
-  impl_->params_on_disk = std::make_unique<detail::ParamSwapper>(std::move(units), o);
-  for (auto& unit : state.units()) unit->set_residency(impl_->params_on_disk.get());
-  std::fprintf(stderr, "[deepspeed] rank %d: parameters on disk (offload_param device nvme):\n%s",
-               rank(), impl_->params_on_disk->plan().describe().c_str());
 }
 
 // The stage-3 engine's options: FULL_SHARD, a unit per module with parameters, ZeRO-3's
@@ -354,6 +340,7 @@ FSDPOptions DeepSpeedStrategy::stage3_engine_options(bool deferred) const {
   fo.max_live_numel = options_.stage3_max_live_parameters;
   fo.auto_wrap_policy =
       AutoWrapPolicy::of_predicate([](const torch::nn::Module&, int64_t n) { return n > 0; });
+  fo.offload_policy = offload_policy_of(options_);
   return fo;
 }
 
@@ -361,9 +348,6 @@ void DeepSpeedStrategy::make_stage3_engine(const FSDPOptions& fo) {
   auto fsdp = std::make_shared<FSDPStrategy>(fo);
   fsdp->set_name(name_);
   fsdp->connect(world_, launch_);
-  fsdp->impl().optimizer_on_disk = optimizer_on_disk(options_);
-  fsdp->impl().params_on_disk = params_on_disk(options_);
-  fsdp->impl().outer = this;
   impl_->fsdp = fsdp;
 }
 
@@ -380,6 +364,10 @@ void DeepSpeedStrategy::enter_configure_model() {
 
 void DeepSpeedStrategy::exit_configure_model() {
   if (impl_->fsdp) impl_->fsdp->exit_configure_model();
+}
+
+void DeepSpeedStrategy::on_module_built(torch::nn::Module& module) {
+  if (impl_->fsdp) impl_->fsdp->on_module_built(module);
 }
 
 void DeepSpeedStrategy::configure_trainer(TrainerOptions& o) const {
@@ -451,37 +439,22 @@ void DeepSpeedStrategy::configure_optimizers(LightningModule& module, OptimizerC
 
 void DeepSpeedStrategy::setup_optimizer(torch::optim::Optimizer& optimizer) {
   if (impl_->zero) impl_->zero->partition_optimizer(optimizer);
-  if (optimizer_on_disk(options_)) setup_disk_tier(optimizer);
-}
-
-// The job's name under nvme_path: FSDP_JOB_ID, else rank 0's pid and start time (broadcast, so
-// every rank of the job uses the same directory and concurrent jobs do not collide).
-std::string DeepSpeedStrategy::disk_job_name() {
-  if (!impl_->job.empty()) return impl_->job;
-  impl_->job = make_disk_job_name();
-  return impl_->job;
-}
-
-std::string DeepSpeedStrategy::make_disk_job_name() {
-  if (const char* id = std::getenv("FSDP_JOB_ID"); id && *id) return id;
-  at::Tensor t = at::tensor({static_cast<int64_t>(::getpid()),
-                             static_cast<int64_t>(std::time(nullptr))}, at::kLong);
-  if (world_size() > 1) world_->broadcast(t, 0);
-  return "fsdp-job-" + std::to_string(t[0].item<int64_t>()) + "-" +
-         std::to_string(t[1].item<int64_t>());
+  if (impl_->fsdp) {
+    impl_->fsdp->setup_optimizer(optimizer);  // its OffloadPolicy: the disk tier at stage 3
+  } else if (optimizer_on_disk(options_)) {
+    setup_disk_tier(optimizer);
+  }
 }
 
 void DeepSpeedStrategy::setup_disk_tier(torch::optim::Optimizer& optimizer) {
   TORCH_CHECK(!impl_->nvme, "[deepspeed] setup_optimizer called twice with the disk tier");
-  detail::NvmeAdam::Options o;
-  o.nvme_path = options_.nvme_path;
-  o.job = disk_job_name();
-  o.rank = rank();
-  o.ranks_sharing_disk = std::max(1, launch_.local_world_size);
-  o.sub_group_size = static_cast<int64_t>(options_.sub_group_size);
-  o.aio = options_.aio;
-  impl_->nvme = std::make_unique<detail::NvmeAdam>(optimizer, o);
-  impl_->nvme->set_residency(impl_->params_on_disk.get());
+  const NvmeOffloadOptions nvme = offload_policy_of(options_).disk;
+  detail::DiskPlacement at;
+  at.job = detail::disk_job_name(nvme, world_.get());
+  at.rank = rank();
+  at.ranks_sharing_disk = launch_.local_world_size;
+  at.who = "[deepspeed]";
+  impl_->nvme = std::make_unique<detail::NvmeAdam>(optimizer, detail::nvme_adam_options(nvme, at));
   const DiskPlan& plan = impl_->nvme->plan();
   std::fprintf(stderr, "[deepspeed] rank %d: optimizer state on disk (offload_optimizer "
                "device nvme, aio block_size %lld, queue_depth %d):\n%s", rank(),
@@ -489,33 +462,33 @@ void DeepSpeedStrategy::setup_disk_tier(torch::optim::Optimizer& optimizer) {
                plan.describe().c_str());
 }
 
+// The disk tier: stage 3's engine holds it (its OffloadPolicy), stages 1 and 2 hold the
+// optimizer's own.
 const DiskPlan* DeepSpeedStrategy::disk_plan() const {
+  if (impl_->fsdp) return impl_->fsdp->disk_plan();
   return impl_->nvme ? &impl_->nvme->plan() : nullptr;
 }
 
 const ParamDiskPlan* DeepSpeedStrategy::param_disk_plan() const {
-  return impl_->params_on_disk ? &impl_->params_on_disk->plan() : nullptr;
+  return impl_->fsdp ? impl_->fsdp->param_disk_plan() : nullptr;
 }
 
 std::vector<std::string> DeepSpeedStrategy::swap_files() const {
-  std::vector<std::string> out = impl_->nvme ? impl_->nvme->files() : std::vector<std::string>{};
-  if (impl_->params_on_disk) {
-    const auto& f = impl_->params_on_disk->files();
-    out.insert(out.end(), f.begin(), f.end());
-  }
-  return out;
+  if (impl_->fsdp) return impl_->fsdp->swap_files();
+  return impl_->nvme ? impl_->nvme->files() : std::vector<std::string>{};
 }
 
 std::vector<std::string> DeepSpeedStrategy::param_swap_files() const {
-  return impl_->params_on_disk ? impl_->params_on_disk->files() : std::vector<std::string>{};
+  return impl_->fsdp ? impl_->fsdp->param_swap_files() : std::vector<std::string>{};
 }
 
 void DeepSpeedStrategy::flush_disk_tier() {
+  if (impl_->fsdp) impl_->fsdp->flush_disk_tier();
   if (impl_->nvme) impl_->nvme->flush();
-  if (impl_->params_on_disk) impl_->params_on_disk->flush();
 }
 
 StreamedOptimizerState* DeepSpeedStrategy::streamed_optimizer_state() {
+  if (impl_->fsdp) return impl_->fsdp->streamed_optimizer_state();
   return impl_->nvme.get();
 }
 
@@ -561,16 +534,16 @@ double DeepSpeedStrategy::clip_grad_norm(LightningModule& module, double max_nor
 }
 
 void DeepSpeedStrategy::optimizer_step(torch::optim::Optimizer& optimizer) {
-  if (impl_->params_on_disk && !impl_->nvme) {
-    TORCH_CHECK(false, "[deepspeed] parameters on disk need the disk tier's optimizer step: "
-                "setup_optimizer was not called with this strategy's optimizer");
-  }
-  if (impl_->nvme) {
+  if (impl_->fsdp) {
+    impl_->fsdp->optimizer_step(optimizer);  // the disk tier's step with the optimizer on disk
+  } else if (impl_->nvme) {
     impl_->nvme->step(optimizer);  // See Note [Disk tier swapper]
   } else {
+    TORCH_CHECK(!optimizer_on_disk(options_), "[deepspeed] the optimizer state is on disk "
+                "(offload_optimizer_device \"nvme\"), but setup_optimizer was not called with "
+                "this optimizer: the disk tier's step replaces optimizer.step()");
     optimizer.step();
   }
-  if (impl_->params_on_disk) impl_->params_on_disk->end_step();
   if (impl_->zero) impl_->zero->all_gather_params();
 }
 
@@ -601,8 +574,7 @@ LocalShards DeepSpeedStrategy::local_shards() {
   TORCH_CHECK(impl_->module, "[deepspeed] local_shards before setup_module");
   LocalShards out;
   if (impl_->fsdp) {
-    out = impl_->fsdp->local_shards();
-    out.residency = impl_->params_on_disk.get();  // Note [Checkpoints of parameters on disk]
+    out = impl_->fsdp->local_shards();  // with its pager when the parameters are on disk
   } else {
     out.shard_group = world_;
     out.replica_rank = 0;  // the world is one copy of the (partitioned) optimizer state
@@ -621,22 +593,7 @@ std::vector<std::pair<std::string, at::Tensor>> DeepSpeedStrategy::gather_full_p
   TORCH_CHECK(impl_->module, "[deepspeed] gather_full_params before setup_module");
   std::vector<std::pair<std::string, at::Tensor>> out;
   if (impl_->fsdp) {
-    if (impl_->params_on_disk) {
-      // Every shard in RAM for the gather (a tool for tests and export, not the step).
-      auto& swapper = *impl_->params_on_disk;
-      std::vector<at::Tensor> sharded;
-      for (auto* p : detail::state_of(*impl_->fsdp).all_params()) sharded.push_back(p->sharded());
-      for (auto& t : sharded) swapper.acquire(t);
-      try {
-        out = impl_->fsdp->gather_full_params();
-      } catch (...) {
-        for (auto& t : sharded) swapper.release(t, false);
-        throw;
-      }
-      for (auto& t : sharded) swapper.release(t, false);
-    } else {
-      out = impl_->fsdp->gather_full_params();
-    }
+    out = impl_->fsdp->gather_full_params();
     for (auto& [n, p] : impl_->persistent) out.emplace_back(n, p.detach().clone());
     return out;
   }

@@ -1,5 +1,5 @@
 // DeepSpeed names and options: Lightning's registry names, the option checks, and the DeepSpeed
-// JSON config parser (one place for each, DESIGN.md §5.3).
+// JSON config parser (one place for each: docs/design.md, "Decisions").
 #include "common/text.h"
 #include "fsdp/deepspeed.h"
 

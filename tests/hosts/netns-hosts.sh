@@ -18,7 +18,7 @@
 #   netns-hosts.sh mpi-agent             (OpenMPI plm_rsh_agent) HOST CMD...: run on HOST
 #   netns-hosts.sh fixture-up NAME N FILE   ctest setup: `up`, or write why not into FILE
 #
-# Needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN) and iproute2. See README "Multi-host runs".
+# Needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN) and iproute2. See docs/launching.md.
 set -euo pipefail
 
 SUBNET=10.77.0
