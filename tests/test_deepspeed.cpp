@@ -624,14 +624,7 @@ TEST(DeepSpeed, PartitionActivationsAndCpuCheckpointingSayWhatTheyDoWorld2) {
 
 namespace {
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
-}
+using fsdp::testing::error_of;
 
 std::string write_config(const std::string& name, const std::string& text) {
   auto path = std::filesystem::temp_directory_path() / ("fsdp-ds-" + name + ".json");

@@ -548,13 +548,4 @@ std::string wikitext2_dir() {
   return fs::weakly_canonical(dir, ec).string();
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
-}
-
 }  // namespace fsdp::testing

@@ -70,7 +70,5 @@ std::string bin_path(const std::string& program);
 nlohmann::json fsdp_train_summary(const std::vector<std::string>& extra, const std::string& tag);
 // ../shared/data/wikitext-2 relative to the source tree, or "" when absent.
 std::string wikitext2_dir();
-// The message (without backtrace) of the c10::Error `f` throws, or "" when it throws none.
-std::string error_of(const std::function<void()>& f);
 
 }  // namespace fsdp::testing
