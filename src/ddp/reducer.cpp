@@ -1,8 +1,6 @@
 #include "ddp/reducer.h"
 
 #include <ATen/core/LegacyTypeDispatch.h>
-#include <torch/csrc/autograd/engine.h>
-#include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
 #include <sstream>
@@ -17,13 +15,11 @@ std::string c10_what(const std::exception& e) {
 }  // namespace
 
 // Note [DDP bucket launch order]
-// Every rank must issue the same collectives in the same order, but autograd may finish the
-// buckets in a different order on different ranks (or in a different order than they were
-// built). So bucket k is launched only after buckets 0..k-1: a bucket that is full early is
-// *held* until its predecessors launch (counted in last_held_buckets()). Buckets are built in
-// reverse registration order because autograd produces gradients roughly in reverse order of
-// use, and modules are usually registered in order of use; static_graph replaces the guess by
-// the observed order (Note [DDP static graph]).
+// DDP's buckets follow Note [Gradient buckets] in src/ddp/grad_buckets.h: reverse registration
+// order, PyTorch's cap (a bucket closes once it holds bucket_cap_mb; one bucket per dtype and
+// device open at a time), bucket k launched only after buckets 0..k-1 (a bucket full early is
+// *held*, counted in last_held_buckets()), every bucket in flight until finish_backward.
+// static_graph replaces the guessed order by the observed one (Note [DDP static graph]).
 
 // Note [DDP static graph]
 // static_graph=true promises that every iteration uses the same parameters in the same order.
@@ -69,32 +65,21 @@ std::string c10_what(const std::exception& e) {
 // otherwise the early end of backward is reported as an error whose hint says to call
 // DDPStrategy::backward(loss).
 
-class Reducer::Hook : public torch::autograd::FunctionPostHook {
- public:
-  Hook(Reducer* reducer, int index) : reducer_(reducer), index_(index) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list& /*inputs*/)
-      override {
-    reducer_->on_grad_ready(index_);
-    return outputs;
-  }
-
- private:
-  Reducer* reducer_;
-  int index_;
-};
-
 Reducer::Reducer(ProcessGroupPtr group, std::vector<NamedTensor> params,
                  const DDPOptions& options, CommHook hook, std::shared_ptr<CommHookState> state)
     : group_(std::move(group)),
       options_(options),
       hook_(std::move(hook)),
-      hook_state_(std::move(state)) {
+      hook_state_(std::move(state)),
+      grad_buckets_(BucketLayout{}, GradBuckets::kUnbounded,
+                    GradBuckets::Ops{[this](int b) { copy_in(b); }, [this](int b) { issue(b); },
+                                     [this](int b) { finish(b); }}) {
   TORCH_INTERNAL_ASSERT(group_, "Reducer needs a process group");
   TORCH_INTERNAL_ASSERT(hook_ && hook_state_, "Reducer needs a comm hook and its state");
   TORCH_CHECK(options_.bucket_cap_mb > 0, "[ddp] bucket_cap_mb must be > 0, got ",
               options_.bucket_cap_mb);
   params_.reserve(params.size());
+  std::vector<at::Tensor> tensors;
   for (auto& np : params) {
     TORCH_INTERNAL_ASSERT(np.tensor.requires_grad(), "parameter ", np.name,
                           " does not require grad");
@@ -103,76 +88,67 @@ Reducer::Reducer(ProcessGroupPtr group, std::vector<NamedTensor> params,
     Param p;
     p.name = std::move(np.name);
     p.tensor = np.tensor;
+    tensors.push_back(p.tensor);
     params_.push_back(std::move(p));
   }
-  for (size_t i = 0; i < params_.size(); ++i) {
-    Param& p = params_[i];
-    p.grad_acc = torch::autograd::impl::grad_accumulator(p.tensor);
-    TORCH_INTERNAL_ASSERT(p.grad_acc, "no grad accumulator for ", p.name);
-    p.hook_key = p.grad_acc->add_post_hook(std::make_unique<Hook>(this, static_cast<int>(i)));
-  }
-  std::vector<int> order(params_.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int>(order.size() - 1 - i);
-  build_buckets(order);
+  build_buckets(reverse_order(params_.size()));
   used_local_ = at::zeros({static_cast<int64_t>(params_.size())}, at::kFloat);
   static_unused_.assign(params_.size(), false);
   static_global_used_.assign(params_.size(), true);
   if (options_.gradient_as_bucket_view) point_grads_at_buckets();
+  hooks_ = GradReadyHooks(tensors, alive_.ref(this), &Reducer::on_grad_ready);
 }
 
 Reducer::~Reducer() {
+  alive_.expire();
+  hooks_.remove();
   wait_launched();
-  for (auto& p : params_) {
-    if (p.grad_acc) p.grad_acc->del_post_hook(p.hook_key);
+}
+
+BucketLayout Reducer::layout_for(const std::vector<int>& order) const {
+  // PyTorch's rule (Note [DDP bucket launch order]): the cap in bytes, one kind per dtype and
+  // device.
+  const double cap_bytes = options_.bucket_cap_mb * 1024.0 * 1024.0;
+  std::vector<std::pair<at::ScalarType, at::Device>> kinds;
+  std::vector<BucketItem> items;
+  for (const auto& p : params_) {
+    const std::pair<at::ScalarType, at::Device> kind{p.tensor.scalar_type(), p.tensor.device()};
+    auto it = std::find(kinds.begin(), kinds.end(), kind);
+    if (it == kinds.end()) it = kinds.insert(kinds.end(), kind);
+    BucketItem item;
+    item.numel = p.tensor.numel();
+    item.kind = it - kinds.begin();
+    item.cap = cap_bytes / static_cast<double>(p.tensor.element_size());
+    items.push_back(item);
   }
+  return assign_buckets(items, order, BucketCap::kCloseAtCap);
 }
 
 void Reducer::build_buckets(const std::vector<int>& order) {
-  TORCH_INTERNAL_ASSERT(order.size() == params_.size());
-  const double cap_bytes = options_.bucket_cap_mb * 1024.0 * 1024.0;
-  buckets_.clear();
-  std::vector<int> open;  // one open bucket per (dtype, device)
-  for (int idx : order) {
-    Param& p = params_[idx];
-    const at::ScalarType dtype = p.tensor.scalar_type();
-    const at::Device device = p.tensor.device();
-    int b = -1;
-    for (int o : open) {
-      const Param& first = params_[buckets_[o].params.front()];
-      if (buckets_[o].dtype == dtype && first.tensor.device() == device) b = o;
-    }
-    if (b < 0) {
-      buckets_.emplace_back();
-      buckets_.back().dtype = dtype;
-      b = static_cast<int>(buckets_.size()) - 1;
-      open.push_back(b);
-    }
-    Bucket& bucket = buckets_[b];
-    p.bucket = b;
-    p.offset = bucket.numel;
-    bucket.numel += p.tensor.numel();
-    bucket.params.push_back(idx);
-    if (static_cast<double>(bucket.numel) * p.tensor.element_size() >= cap_bytes) {
-      open.erase(std::find(open.begin(), open.end(), b));
-    }
+  grad_buckets_.set_layout(layout_for(order));
+  const BucketLayout& layout = grad_buckets_.layout();
+  buckets_.assign(layout.buckets.size(), Bucket());
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    const at::Tensor& first = params_[layout.buckets[b].params.front()].tensor;
+    buckets_[b].dtype = first.scalar_type();
+    buckets_[b].buffer = at::zeros({layout.buckets[b].numel}, first.options());
   }
-  for (auto& bucket : buckets_) {
-    const Param& first = params_[bucket.params.front()];
-    bucket.buffer = at::zeros({bucket.numel}, first.tensor.options().dtype(bucket.dtype));
-  }
-  next_to_launch_ = 0;
 }
 
-at::Tensor Reducer::bucket_view(const Param& p) const {
+at::Tensor Reducer::bucket_view(int param) const {
   // Below the autograd/view-tracking layer: the slot is a plain alias of the buffer, not an
   // autograd view, so optimizers may detach_()/zero_() it as a gradient.
   at::AutoDispatchBelowADInplaceOrView guard;
-  return buckets_[p.bucket].buffer.narrow(0, p.offset, p.tensor.numel()).view(p.tensor.sizes());
+  const at::Tensor& t = params_[param].tensor;
+  const BucketLayout& layout = grad_buckets_.layout();
+  return buckets_[layout.bucket_of[param]].buffer.narrow(0, layout.offset_of[param], t.numel())
+      .view(t.sizes());
 }
 
 void Reducer::point_grads_at_buckets() {
-  for (auto& p : params_) {
-    at::Tensor slot = bucket_view(p);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Param& p = params_[i];
+    at::Tensor slot = bucket_view(static_cast<int>(i));
     const at::Tensor& g = p.tensor.grad();
     if (g.defined() && g.data_ptr() != slot.data_ptr()) slot.copy_(g);
     p.tensor.mutable_grad() = slot;
@@ -185,15 +161,9 @@ void Reducer::arm(bool sync) {
     return;
   }
   state_ = ReducerState::kSync;
-  for (auto& b : buckets_) {
-    b.pending = static_cast<int>(b.params.size());
-    b.launched = false;
-    b.future = CommFuture();
-  }
-  for (auto& p : params_) p.ready = false;
-  next_to_launch_ = 0;
-  launch_order_.clear();
-  held_buckets_ = 0;
+  for (auto& b : buckets_) b.future = CommFuture();
+  grad_buckets_.abandon_in_flight();
+  grad_buckets_.arm();
   ready_order_.clear();
   callback_queued_ = false;
   callback_from_grad_hook_ = false;
@@ -216,11 +186,7 @@ void Reducer::prepare_forward(bool sync) {
 
 void Reducer::hook_loss(const at::Tensor& loss) {
   TORCH_INTERNAL_ASSERT(loss.requires_grad());
-  std::weak_ptr<bool> alive = alive_;
-  at::Tensor hooked = loss;  // shares the TensorImpl: the hook is registered on `loss`
-  hooked.register_hook([this, alive](const at::Tensor&) {
-    if (alive.lock()) on_backward_start();
-  });
+  on_gradient_of(loss, alive_.ref(this), [](Reducer& r) { r.on_backward_start(); });
 }
 
 void Reducer::on_backward_start() {
@@ -234,11 +200,9 @@ void Reducer::on_backward_start() {
 
 void Reducer::queue_end_of_backward() {
   callback_queued_ = true;
-  std::weak_ptr<bool> alive = alive_;
-  torch::autograd::Engine::get_default_engine().queue_callback([this, alive] {
-    if (!alive.lock()) return;
-    std::lock_guard<std::mutex> lock(mutex_);
-    finalize_backward();
+  detail::queue_end_of_backward(alive_.ref(this), [](Reducer& r) {
+    std::lock_guard<std::mutex> lock(r.mutex_);
+    r.finalize_backward();
   });
 }
 
@@ -270,7 +234,7 @@ void Reducer::on_grad_ready(int index) {
                 "static_graph=false (and find_unused_parameters=true if some parameters are "
                 "unused in some iterations)");
   }
-  TORCH_CHECK(!p.ready, "[ddp] parameter '", p.name,
+  TORCH_CHECK(!grad_buckets_.ready(index), "[ddp] parameter '", p.name,
               "' received two gradients in one synchronized backward; call pre_forward before "
               "each forward and post_backward after each backward");
   p.used = true;
@@ -281,31 +245,20 @@ void Reducer::on_grad_ready(int index) {
   }
   if (options_.static_graph && !static_recorded_) ready_order_.push_back(index);
   mark_ready(index);
-  launch_ready_buckets();
+  grad_buckets_.launch_ready();
 }
 
 void Reducer::mark_ready(int index) {
-  Param& p = params_[index];
-  TORCH_INTERNAL_ASSERT(!p.ready);
-  p.ready = true;
-  Bucket& b = buckets_[p.bucket];
-  TORCH_INTERNAL_ASSERT(b.pending > 0 && !b.launched);
-  if (--b.pending == 0 && p.bucket != next_to_launch_) ++held_buckets_;
+  TORCH_INTERNAL_ASSERT(!grad_buckets_.launched(grad_buckets_.layout().bucket_of[index]));
+  grad_buckets_.mark_ready(index);
 }
 
-void Reducer::launch_ready_buckets() {
-  const int n = static_cast<int>(buckets_.size());
-  while (next_to_launch_ < n && buckets_[next_to_launch_].pending == 0) launch(next_to_launch_++);
-}
-
-void Reducer::launch(int index) {
-  Bucket& b = buckets_[index];
-  TORCH_INTERNAL_ASSERT(!b.launched && b.pending == 0);
+void Reducer::copy_in(int index) {
   // Copy-in (or, with gradient_as_bucket_view, make sure .grad still is the slot: an optimizer
   // that sets gradients to none/new tensors breaks the aliasing, which is repaired here).
-  for (int idx : b.params) {
+  for (int idx : grad_buckets_.layout().buckets[index].params) {
     Param& p = params_[idx];
-    at::Tensor slot = bucket_view(p);
+    at::Tensor slot = bucket_view(idx);
     const at::Tensor& g = p.tensor.grad();
     const bool has = p.used && g.defined();
     if (!has) {
@@ -317,14 +270,20 @@ void Reducer::launch(int index) {
       p.tensor.mutable_grad() = slot;
     }
   }
+}
+
+void Reducer::issue(int index) {
+  Bucket& b = buckets_[index];
+  const BucketLayout& layout = grad_buckets_.layout();
+  const std::vector<int>& members = layout.buckets[index].params;
   // The comm hook (allreduce_hook unless the user set one) starts the communication. See
   // Note [Comm hook futures] in src/ddp/comm_future.cpp.
   std::vector<at::Tensor> tensors;
   std::vector<int64_t> offsets;
   std::vector<std::string> names;
-  for (int idx : b.params) {
+  for (int idx : members) {
     tensors.push_back(params_[idx].tensor);
-    offsets.push_back(params_[idx].offset);
+    offsets.push_back(layout.offset_of[idx]);
     names.push_back(params_[idx].name);
   }
   GradBucket bucket(index, static_cast<int>(buckets_.size()), b.buffer, std::move(tensors),
@@ -333,21 +292,19 @@ void Reducer::launch(int index) {
     b.future = hook_(*hook_state_, bucket);
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "[ddp] rank ", group_->rank(), ": the comm hook failed on gradient bucket ",
-                index, " (", b.numel, " elements, first parameter '",
-                params_[b.params.front()].name, "'): ", c10_what(e));
+                index, " (", bucket_numel(index), " elements, first parameter '",
+                params_[members.front()].name, "'): ", c10_what(e));
   }
   TORCH_CHECK(b.future.valid(), "[ddp] the comm hook returned an invalid CommFuture for bucket ",
               index, "; return the future of the reduced buffer (CommFuture::ready(buffer) if "
               "nothing is communicated)");
-  b.launched = true;
-  launch_order_.push_back(index);
 }
 
 void Reducer::finalize_backward() {
   if (state_ != ReducerState::kSync) return;  // idempotent: callback and finish_backward
   std::vector<int> missing;
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (!params_[i].ready) missing.push_back(static_cast<int>(i));
+    if (!grad_buckets_.ready(static_cast<int>(i))) missing.push_back(static_cast<int>(i));
   }
   const bool first_static = options_.static_graph && !static_recorded_;
   // See Note [DDP static graph]: after its first iteration, static_graph knows the unused
@@ -381,8 +338,8 @@ void Reducer::finalize_backward() {
                 "the loss depends on its output", nested_backward_hint());
   }
   for (int i : missing) mark_ready(i);
-  launch_ready_buckets();
-  TORCH_INTERNAL_ASSERT(next_to_launch_ == static_cast<int>(buckets_.size()));
+  grad_buckets_.launch_ready();
+  TORCH_INTERNAL_ASSERT(grad_buckets_.all_launched());
   if (allow_unused) {
     // See Note [DDP unused parameters]: after every bucket, on every rank.
     auto used = used_local_.accessor<float, 1>();
@@ -392,12 +349,36 @@ void Reducer::finalize_backward() {
   state_ = ReducerState::kReducing;
 }
 
+void Reducer::finish(int k) {
+  Bucket& b = buckets_[k];
+  TORCH_INTERNAL_ASSERT(b.future.valid());
+  at::Tensor result;
+  try {
+    result = b.future.wait();
+  } catch (const std::exception& e) {
+    state_ = ReducerState::kIdle;
+    wait_launched();
+    TORCH_CHECK(false, "[ddp] rank ", group_->rank(), ": reduction of gradient bucket ", k, " (",
+                bucket_numel(k), " elements) failed: ", c10_what(e));
+  }
+  b.future = CommFuture();
+  TORCH_CHECK(result.defined() && result.numel() == bucket_numel(k), "[ddp] the comm hook's "
+              "future for gradient bucket ", k, " holds ", result.defined() ? result.numel() : 0,
+              " elements, the bucket has ", bucket_numel(k), "; a hook's future must hold the "
+              "reduced flat buffer");
+  // A hook may reduce into another tensor (a compression wrapper's half-precision copy).
+  if (!(result.data_ptr() == b.buffer.data_ptr() && result.scalar_type() == b.dtype)) {
+    b.buffer.copy_(result.reshape({-1}));
+  }
+}
+
 void Reducer::wait_launched() noexcept {
   for (auto& b : buckets_) {
     if (!b.future.valid()) continue;
     b.future.drain();
     b.future = CommFuture();
   }
+  grad_buckets_.abandon_in_flight();
   if (used_work_) {
     try {
       used_work_->wait();
@@ -422,28 +403,7 @@ void Reducer::finish_backward(bool sync) {
   finalize_backward();  // no-op when the engine callback already ran
   TORCH_INTERNAL_ASSERT(state_ == ReducerState::kReducing);
 
-  for (size_t k = 0; k < buckets_.size(); ++k) {
-    Bucket& b = buckets_[k];
-    TORCH_INTERNAL_ASSERT(b.launched && b.future.valid());
-    at::Tensor result;
-    try {
-      result = b.future.wait();
-    } catch (const std::exception& e) {
-      state_ = ReducerState::kIdle;
-      wait_launched();
-      TORCH_CHECK(false, "[ddp] rank ", group_->rank(), ": reduction of gradient bucket ", k,
-                  " (", b.numel, " elements) failed: ", c10_what(e));
-    }
-    b.future = CommFuture();
-    TORCH_CHECK(result.defined() && result.numel() == b.numel, "[ddp] the comm hook's future for "
-                "gradient bucket ", k, " holds ", result.defined() ? result.numel() : 0,
-                " elements, the bucket has ", b.numel, "; a hook's future must hold the "
-                "reduced flat buffer");
-    // A hook may reduce into another tensor (a compression wrapper's half-precision copy).
-    if (!(result.data_ptr() == b.buffer.data_ptr() && result.scalar_type() == b.dtype)) {
-      b.buffer.copy_(result.reshape({-1}));
-    }
-  }
+  grad_buckets_.finish_all();  // every bucket, in bucket order: finish() below
   const bool have_mask = static_cast<bool>(used_work_);
   if (have_mask) {
     used_work_->wait();
@@ -457,7 +417,7 @@ void Reducer::finish_backward(bool sync) {
     if (have_mask) globally_used = used[i] > 0.f;
     else if (static_recorded_) globally_used = static_global_used_[i];
     if (!globally_used) continue;  // Note [DDP unused parameters]: leave .grad untouched
-    at::Tensor slot = bucket_view(p);
+    at::Tensor slot = bucket_view(static_cast<int>(i));
     at::Tensor& g = p.tensor.mutable_grad();
     if (options_.gradient_as_bucket_view) {
       if (!g.defined() || g.data_ptr() != slot.data_ptr()) g = slot;
@@ -467,8 +427,8 @@ void Reducer::finish_backward(bool sync) {
       g = slot.clone();
     }
   }
-  last_launch_order_ = launch_order_;
-  last_held_buckets_ = held_buckets_;
+  last_launch_order_ = grad_buckets_.launch_order();
+  last_held_buckets_ = grad_buckets_.held();
   ++num_synced_backwards_;
   state_ = ReducerState::kIdle;
   if (options_.static_graph && !static_recorded_) record_static_graph(have_mask);
@@ -513,7 +473,7 @@ void Reducer::record_static_graph(bool have_mask) {
   build_buckets(new_order);
   if (options_.gradient_as_bucket_view) {
     for (size_t i = 0; i < params_.size(); ++i) {
-      at::Tensor slot = bucket_view(params_[i]);
+      at::Tensor slot = bucket_view(static_cast<int>(i));
       if (grads[i].defined()) slot.copy_(grads[i]);
       params_[i].tensor.mutable_grad() = slot;
     }
@@ -523,21 +483,25 @@ void Reducer::record_static_graph(bool have_mask) {
 void Reducer::zero_grad() {
   std::lock_guard<std::mutex> lock(mutex_);
   for (auto& b : buckets_) b.buffer.zero_();
-  for (auto& p : params_) {
-    at::Tensor& g = p.tensor.mutable_grad();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    at::Tensor& g = params_[i].tensor.mutable_grad();
     if (!g.defined()) continue;
-    if (options_.gradient_as_bucket_view && g.data_ptr() == bucket_view(p).data_ptr()) continue;
+    if (options_.gradient_as_bucket_view &&
+        g.data_ptr() == bucket_view(static_cast<int>(i)).data_ptr()) {
+      continue;
+    }
     g.zero_();
   }
 }
 
 std::vector<DDPStrategy::BucketInfo> Reducer::bucket_infos() const {
   std::vector<DDPStrategy::BucketInfo> out;
-  for (const auto& b : buckets_) {
+  const BucketLayout& layout = grad_buckets_.layout();
+  for (size_t k = 0; k < buckets_.size(); ++k) {
     DDPStrategy::BucketInfo info;
-    info.numel = b.numel;
-    info.dtype = b.dtype;
-    for (int idx : b.params) info.names.push_back(params_[idx].name);
+    info.numel = layout.buckets[k].numel;
+    info.dtype = buckets_[k].dtype;
+    for (int idx : layout.buckets[k].params) info.names.push_back(params_[idx].name);
     out.push_back(std::move(info));
   }
   return out;

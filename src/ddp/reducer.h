@@ -2,10 +2,9 @@
 // Used by DDPStrategy (src/ddp/ddp_strategy.cpp); not a public header.
 #pragma once
 
+#include "ddp/grad_buckets.h"
 #include "fsdp/comm.h"
 #include "fsdp/ddp.h"
-
-#include <torch/csrc/autograd/function.h>
 
 #include <cstdint>
 #include <memory>
@@ -24,7 +23,8 @@ namespace fsdp::detail {
 //              used; gradients accumulate in .grad, nothing is communicated.
 //   kSync      a boundary micro-batch: each hook counts its bucket down; a full bucket is copied
 //              into its flat buffer and, in bucket order, handed to the comm hook, which
-//              starts its communication and returns a future.
+//              starts its communication and returns a future (Note [Gradient buckets] in
+//              src/ddp/grad_buckets.h).
 //   kReducing  backward is over and every bucket is launched; finish_backward waits for the
 //              futures in bucket order and copies the results back into .grad.
 enum class ReducerState { kIdle, kNoSync, kSync, kReducing };
@@ -66,36 +66,30 @@ class Reducer {
  private:
   struct Param {
     std::string name;
-    at::Tensor tensor;                                   // the parameter itself
-    c10::intrusive_ptr<torch::autograd::Node> grad_acc;     // kept alive: it carries our hook
-    uintptr_t hook_key = 0;
-    int bucket = -1;
-    int64_t offset = 0;  // element offset in its bucket's buffer
-    bool ready = false;  // got its gradient in this synchronized backward
+    at::Tensor tensor;   // the parameter itself
     bool used = false;   // got a gradient since the last synchronized backward (incl. no_sync)
   };
+  // What DDP keeps per bucket of the layout (GradBuckets holds which parameters and where).
   struct Bucket {
-    std::vector<int> params;  // indices into params_, in buffer order
     at::ScalarType dtype = at::kFloat;
-    int64_t numel = 0;
-    at::Tensor buffer;        // (numel) flat; what the all-reduce reads and writes
-    int pending = 0;          // parameters of this bucket still without a gradient
-    bool launched = false;
-    CommFuture future;        // the comm hook's, from launch until finish_backward
+    at::Tensor buffer;   // (numel) flat; what the all-reduce reads and writes
+    CommFuture future;   // the comm hook's, from launch until finish_backward
   };
-  class Hook;
 
+  BucketLayout layout_for(const std::vector<int>& order) const;
   void build_buckets(const std::vector<int>& order);
   void point_grads_at_buckets();  // gradient_as_bucket_view: .grad := view into the buffer
-  at::Tensor bucket_view(const Param& p) const;  // (param shape) view of its slot
+  at::Tensor bucket_view(int param) const;  // (param shape) view of its slot
+  int64_t bucket_numel(int bucket) const { return grad_buckets_.layout().buckets[bucket].numel; }
   void arm(bool sync);
   void on_grad_ready(int index);  // from the AccumulateGrad post-hook
   void on_backward_start();       // from the loss hook (hook_loss)
   void queue_end_of_backward();
   std::string nested_backward_hint() const;
   void mark_ready(int index);
-  void launch_ready_buckets();
-  void launch(int bucket);
+  void copy_in(int bucket);       // GradBuckets::Ops
+  void issue(int bucket);
+  void finish(int bucket);
   void finalize_backward();  // end of backward (engine callback or finish_backward)
   void wait_launched() noexcept;
   void record_static_graph(bool have_mask);  // after the first synchronized backward
@@ -110,14 +104,14 @@ class Reducer {
   std::shared_ptr<CommHookState> hook_state_;
   std::vector<Param> params_;
   std::vector<Bucket> buckets_;
+  // Which parameters form which bucket, readiness and in-order launches; every bucket stays in
+  // flight until finish_backward (see Note [Gradient buckets]).
+  GradBuckets grad_buckets_;
   ReducerState state_ = ReducerState::kIdle;
-  int next_to_launch_ = 0;
   bool callback_queued_ = false;
   // The callback was queued by a gradient hook (loss.backward() called directly), not by the
   // loss hook: it may belong to a nested backward (Note [DDP end of backward]).
   bool callback_from_grad_hook_ = false;
-  // Expires with the reducer; the loss hooks and engine callbacks hold a weak_ptr to it.
-  std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
 
   // find_unused_parameters / static_graph: 1 per parameter used on any rank (all-reduced).
   at::Tensor used_local_;   // (num params) float
@@ -129,11 +123,14 @@ class Reducer {
   std::vector<bool> static_global_used_; // parameters with a gradient on some rank in iteration 1
   bool static_recorded_ = false;
 
-  std::vector<int> launch_order_;
   std::vector<int> last_launch_order_;
-  int64_t held_buckets_ = 0;
   int64_t last_held_buckets_ = 0;
   int64_t num_synced_backwards_ = 0;
+
+  // Declared last, so destroyed first (and the destructor expires alive_ before anything else):
+  // no hook reaches a half-destroyed reducer. See Note [Gradient buckets], "Liveness".
+  Liveness alive_;
+  GradReadyHooks hooks_;
 };
 
 }  // namespace fsdp::detail

@@ -36,29 +36,28 @@ namespace {
 // earlier and run first (they have the highest priority in the engine's ready queue), so P.grad
 // is complete when this fires. Units whose inputs do not require grad (the first layer after
 // the token ids) and the root unit are finished by the end-of-backward callback instead.
+// The node outlives the state when the graph does: it reaches the state (and the unit, which the
+// state owns) only through a checked AliveRef; a dead state's post-backward does nothing (see
+// Note [Gradient buckets] in src/ddp/grad_buckets.h, "Liveness").
+struct UnitRef : torch::CustomClassHolder {
+  AliveRef<FsdpState> state;
+  FsdpParamGroup* unit = nullptr;  // owned by the state: used only inside state.if_alive
+};
+
 struct PostBackwardFunction : torch::autograd::Function<PostBackwardFunction> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
-                                                at::TensorList inputs, int64_t state_address,
-                                                int64_t unit_address) {
-    ctx->saved_data["state"] = state_address;
-    ctx->saved_data["unit"] = unit_address;
+                                                at::TensorList inputs, c10::IValue unit_ref) {
+    ctx->saved_data["unit"] = std::move(unit_ref);
     return torch::autograd::variable_list(inputs.begin(), inputs.end());
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    auto* state = reinterpret_cast<FsdpState*>(ctx->saved_data["state"].toInt());
-    auto* unit = reinterpret_cast<FsdpParamGroup*>(ctx->saved_data["unit"].toInt());
-    state->post_backward(*unit);
-    grads.emplace_back();  // for state_address
-    grads.emplace_back();  // for unit_address
+    const auto* ref = static_cast<const UnitRef*>(ctx->saved_data["unit"].toCapsule().get());
+    ref->state.if_alive([&](FsdpState& state) { state.post_backward(*ref->unit); });
+    grads.emplace_back();  // for unit_ref
     return grads;
   }
 };
-
-bool is_alive(const std::weak_ptr<bool>& alive) {
-  auto a = alive.lock();
-  return a && *a;
-}
 
 }  // namespace
 
@@ -66,11 +65,10 @@ FsdpState::FsdpState(FsdpConfig config, ProcessGroupPtr shard_group,
                      ProcessGroupPtr replicate_group)
     : config_(config),
       shard_group_(std::move(shard_group)),
-      replicate_group_(std::move(replicate_group)),
-      alive_(std::make_shared<bool>(true)) {}
+      replicate_group_(std::move(replicate_group)) {}
 
 FsdpState::~FsdpState() {
-  *alive_ = false;
+  alive_.expire();
   // The model may outlive the strategy: its modules stop calling into us. A module that died
   // first took its hooks with it.
   for (const auto& h : hooks_) {
@@ -169,7 +167,7 @@ void FsdpState::materialize() {
   for (auto& unit : units_) {
     if (!preinitialized_.count(unit.get())) unit->init();  // deferred units are sharded
   }
-  std::weak_ptr<bool> alive = alive_;
+  const AliveRef<FsdpState> self = alive_.ref(this);
   for (auto& unit : units_) {
     if (unit->is_root()) continue;
     FsdpParamGroup* u = unit.get();
@@ -178,16 +176,16 @@ void FsdpState::materialize() {
     try {
       h.module = m->shared_from_this();
     } catch (const std::bad_weak_ptr&) {
-      // Not owned by a shared_ptr: its hooks stay and check `alive` instead.
+      // Not owned by a shared_ptr: its hooks stay and check `self` instead.
     }
     h.hooked = m;
     h.pre_forward = m->add_pre_forward_hook(
-        [this, u, alive](fsdp::nn::Module&, fsdp::nn::Inputs& inputs) {
-          if (is_alive(alive)) pre_forward(*u, inputs);
+        [self, u](fsdp::nn::Module&, fsdp::nn::Inputs& inputs) {
+          self.if_alive([&](FsdpState& state) { state.pre_forward(*u, inputs); });
         });
     h.post_forward = m->add_post_forward_hook(
-        [this, u, alive](fsdp::nn::Module&, const fsdp::nn::Inputs&, at::Tensor& output) {
-          if (is_alive(alive)) post_forward(*u, output);
+        [self, u](fsdp::nn::Module&, const fsdp::nn::Inputs&, at::Tensor& output) {
+          self.if_alive([&](FsdpState& state) { state.post_forward(*u, output); });
         });
     hooks_.push_back(std::move(h));
   }
@@ -271,9 +269,11 @@ void FsdpState::pre_forward(FsdpParamGroup& unit, std::vector<at::Tensor>& input
     }
   }
   if (with_grad.empty()) return;
+  auto ref = c10::make_intrusive<UnitRef>();
+  ref->state = alive_.ref(this);
+  ref->unit = &unit;
   auto outputs = PostBackwardFunction::apply(at::TensorList(with_grad),
-                                             reinterpret_cast<int64_t>(this),
-                                             reinterpret_cast<int64_t>(&unit));
+                                             c10::IValue::make_capsule(std::move(ref)));
   for (size_t k = 0; k < where.size(); ++k) inputs[where[k]] = outputs[k];
 }
 
@@ -281,11 +281,19 @@ void FsdpState::post_forward(FsdpParamGroup& unit, at::Tensor& output) {
   RECORD_FUNCTION("FSDP::post_forward", c10::ArrayRef<const c10::IValue>{});
   unit.post_forward();
   if (output.defined() && output.requires_grad() && at::GradMode::is_enabled()) {
-    std::weak_ptr<bool> alive = alive_;
     FsdpParamGroup* u = &unit;
-    output.register_hook([this, u, alive](const at::Tensor&) {
-      if (is_alive(alive)) pre_backward(*u);
-    });
+    // A graph that outlives the state reaches this hook with nobody left to unshard the unit:
+    // with its parameters freed after forward, its backward would read freed storage.
+    const bool resharded = unit.sharded_state() == ShardedState::kReshardedAfterForward;
+    on_gradient_of(
+        output, alive_.ref(this), [u](FsdpState& state) { state.pre_backward(*u); },
+        [resharded, name = unit.name()] {
+          TORCH_CHECK(!resharded, "[FSDPStrategy] backward reached unit '", name,
+                      "' after its FSDPStrategy was destroyed; the unit's parameters were "
+                      "resharded after forward and only the strategy can gather them again. "
+                      "---> HINT: keep the strategy alive until backward has run (destroy it "
+                      "after post_backward)");
+        });
   }
 }
 
@@ -305,14 +313,15 @@ void FsdpState::post_backward(FsdpParamGroup& unit) {
   if (config_.backward_prefetch == BackwardPrefetch::kPost) prefetch_before_backward_of(unit);
 }
 
+void FsdpState::hook_loss(const at::Tensor& loss) {
+  on_gradient_of(loss, alive_.ref(this), [](FsdpState& state) { state.on_backward_start(); });
+}
+
 void FsdpState::on_backward_start() {
   if (callback_queued_) return;
   callback_queued_ = true;
   order_frozen_ = true;  // the forward order of this step drives prefetching from now on
-  std::weak_ptr<bool> alive = alive_;
-  torch::autograd::Engine::get_default_engine().queue_callback([this, alive] {
-    if (is_alive(alive)) on_backward_end();
-  });
+  queue_end_of_backward(alive_.ref(this), [](FsdpState& state) { state.on_backward_end(); });
 }
 
 void FsdpState::on_backward_end() {

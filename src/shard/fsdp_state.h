@@ -4,6 +4,7 @@
 // calls fsdp_param_group.pre_forward, then _prefetch_unshard). Units never call the state.
 #pragma once
 
+#include "common/liveness.h"
 #include "fsdp/comm.h"
 #include "fsdp/fsdp_strategy.h"
 #include "offload/param_swapper.h"
@@ -75,6 +76,7 @@ class FsdpState {
 
   // --- one step, driven by FSDPStrategy (fsdp/strategy.h call order).
   void begin_step(bool sync);         // Strategy::pre_forward: the root unit's pre-forward
+  void hook_loss(const at::Tensor& loss);  // Strategy::backward: on_backward_start at the loss
   void on_backward_start();           // first pre-backward of a backward: queue the callback
   void finish_step();                 // Strategy::post_backward: wait, check invariants
   void finish_eval_step();            // Strategy::post_eval_step: reshard, drop prefetches
@@ -141,9 +143,11 @@ class FsdpState {
     int post_forward;
   };
   std::vector<InstalledHooks> hooks_;
-  // Cleared in the destructor: autograd hooks on tensors (pre-backward, post-backward function)
-  // may outlive us when a graph built under this state is run later; they check it.
-  std::shared_ptr<bool> alive_;
+  // Expired in the destructor: every hook and callback (forward hooks, the loss and pre-backward
+  // hooks, the post-backward function, the end-of-backward callback) may outlive us when a graph
+  // built under this state runs backward later; each reaches us through alive_.ref(this). See
+  // Note [Gradient buckets] in src/ddp/grad_buckets.h, "Liveness".
+  Liveness alive_;
 
   bool sync_ = true;
   bool callback_queued_ = false;

@@ -303,13 +303,11 @@ void FSDPStrategy::backward(const at::Tensor& loss) {
   TORCH_CHECK(loss.defined() && loss.requires_grad(),
               "[FSDPStrategy] backward: the loss does not require grad (was it computed under "
               "NoGradGuard, or from frozen parameters only?)");
-  detail::FsdpState* st = &detail::state_of(*this);
   // The root unit's "pre-backward": queue the end-of-backward callback as soon as backward
   // starts, even when no unit output carries a hook.
-  at::Tensor hooked = loss;
-  hooked.register_hook([st](const at::Tensor&) { st->on_backward_start(); });
+  detail::state_of(*this).hook_loss(loss);
   RECORD_FUNCTION("FSDP::backward", c10::ArrayRef<const c10::IValue>{});
-  hooked.backward();
+  loss.backward();
 }
 
 void FSDPStrategy::post_backward(LightningModule&, bool) { detail::state_of(*this).finish_step(); }

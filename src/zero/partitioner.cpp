@@ -4,10 +4,9 @@
 
 #include <ATen/record_function.h>
 #include <c10/util/Exception.h>
-#include <torch/csrc/autograd/functions/accumulate_grad.h>
-#include <torch/csrc/autograd/function_hook.h>
 
 #include <algorithm>
+#include <numeric>
 #include <unordered_map>
 
 namespace fsdp::detail {
@@ -35,29 +34,19 @@ namespace fsdp::detail {
 // the other way round: this rank's rows in, every rank's rows out into P.
 //
 // Buckets launch in the same order on every rank (a bucket whose gradients are complete waits
-// for the earlier ones), and at most two are in flight: launching one finishes the one before,
-// so the transient memory stays two buckets whatever the model size.
-
-class ZeroPartitioner::Hook : public torch::autograd::FunctionPostHook {
- public:
-  Hook(ZeroPartitioner* owner, int index, std::weak_ptr<bool> alive)
-      : owner_(owner), index_(index), alive_(std::move(alive)) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list&) override {
-    if (auto alive = alive_.lock(); alive && *alive) owner_->on_grad_ready(index_);
-    return outputs;
-  }
-
- private:
-  ZeroPartitioner* owner_;
-  int index_;
-  std::weak_ptr<bool> alive_;
-};
+// for the earlier ones), and one reduce-scatter is in flight: launching a bucket finishes the
+// one before (after the new bucket's copy-in), so the transient memory stays two buckets
+// whatever the model size. The hooks, the order and the window are Note [Gradient buckets] in
+// src/ddp/grad_buckets.h.
 
 ZeroPartitioner::ZeroPartitioner(ProcessGroupPtr group,
                                  std::vector<std::pair<std::string, at::Tensor>> params,
                                  Options options)
-    : group_(std::move(group)), options_(options) {
+    : group_(std::move(group)),
+      options_(options),
+      grad_buckets_(BucketLayout{}, /*max_in_flight=*/1,
+                    GradBuckets::Ops{[this](int b) { copy_in(b); }, [this](int b) { issue(b); },
+                                     [this](int b) { finish(b); }}) {
   TORCH_INTERNAL_ASSERT(group_, "ZeroPartitioner needs a process group");
   TORCH_CHECK(options_.reduce_bucket_numel > 0 && options_.allgather_bucket_numel > 0,
               "[deepspeed] reduce_bucket_size and allgather_bucket_size must be > 0 (got ",
@@ -88,42 +77,39 @@ ZeroPartitioner::ZeroPartitioner(ProcessGroupPtr group,
     zp.partition = view;
     params_.push_back(std::move(zp));
   }
-  // Reduce-scatter buckets: reverse registration order.
-  for (int i = static_cast<int>(params_.size()) - 1; i >= 0; --i) {
-    ZeroParam& p = params_[i];
-    if (buckets_.empty() ||
-        (buckets_.back().chunk > 0 &&
-         (buckets_.back().chunk + p.shard_numel()) * W > options_.reduce_bucket_numel)) {
-      buckets_.emplace_back();
+  // Both kinds of bucket follow DeepSpeed's cap: W * chunk elements at most, a larger parameter
+  // alone. Reduce-scatter buckets in reverse registration order, all-gather buckets in
+  // registration order.
+  auto items_capped_at = [&](int64_t cap) {
+    std::vector<BucketItem> items;
+    for (const auto& p : params_) {
+      BucketItem item;
+      item.numel = p.shard_numel();
+      item.cap = static_cast<double>(cap) / W;
+      items.push_back(item);
     }
-    Bucket& b = buckets_.back();
-    p.bucket = static_cast<int>(buckets_.size()) - 1;
-    p.offset = b.chunk;
-    b.chunk += p.shard_numel();
-    b.params.push_back(i);
-  }
-  // All-gather buckets: registration order.
-  int64_t chunk = 0;
-  for (int i = 0; i < static_cast<int>(params_.size()); ++i) {
-    const int64_t n = params_[i].shard_numel();
-    if (gather_buckets_.empty() || (chunk > 0 && (chunk + n) * W > options_.allgather_bucket_numel)) {
-      gather_buckets_.emplace_back();
-      chunk = 0;
-    }
-    gather_buckets_.back().push_back(i);
-    chunk += n;
+    return items;
+  };
+  grad_buckets_.set_layout(assign_buckets(items_capped_at(options_.reduce_bucket_numel),
+                                          reverse_order(params_.size()), BucketCap::kStayUnderCap));
+  buckets_.resize(grad_buckets_.layout().buckets.size());
+  std::vector<int> registration_order(params_.size());
+  std::iota(registration_order.begin(), registration_order.end(), 0);
+  for (auto& b : assign_buckets(items_capped_at(options_.allgather_bucket_numel),
+                                registration_order, BucketCap::kStayUnderCap)
+                     .buckets) {
+    gather_buckets_.push_back(std::move(b.params));
   }
   if (options_.reduction == GradReduction::kDuringBackward) {
-    for (int i = 0; i < static_cast<int>(params_.size()); ++i) {
-      ZeroParam& p = params_[i];
-      p.grad_acc = torch::autograd::impl::grad_accumulator(p.param);
-      p.hook_key = p.grad_acc->add_post_hook(std::make_unique<Hook>(this, i, alive_));
-    }
+    std::vector<at::Tensor> tensors;
+    for (const auto& p : params_) tensors.push_back(p.param);
+    hooks_ = GradReadyHooks(tensors, alive_.ref(this), &ZeroPartitioner::on_grad_ready);
   }
 }
 
 ZeroPartitioner::~ZeroPartitioner() {
-  *alive_ = false;
+  alive_.expire();
+  hooks_.remove();
   for (auto& b : buckets_) {
     if (b.work) {
       try {
@@ -131,9 +117,6 @@ ZeroPartitioner::~ZeroPartitioner() {
       } catch (...) {
       }
     }
-  }
-  for (auto& p : params_) {
-    if (p.grad_acc) p.grad_acc->del_post_hook(p.hook_key);
   }
 }
 
@@ -163,7 +146,7 @@ std::vector<at::Tensor> ZeroPartitioner::partition_grads() const {
 
 int64_t ZeroPartitioner::max_grad_bucket_chunk() const {
   int64_t m = 0;
-  for (const auto& b : buckets_) m = std::max(m, b.chunk);
+  for (const auto& b : grad_buckets_.layout().buckets) m = std::max(m, b.numel);
   return m;
 }
 
@@ -172,41 +155,30 @@ void ZeroPartitioner::prepare_forward(bool sync) {
   // Every micro-batch reduces (sync or not): the partition gradient accumulates, so whole
   // gradients never outlive their bucket (DeepSpeed stage 2 does the same).
   armed_ = torch::GradMode::is_enabled();
-  next_to_launch_ = 0;
-  for (auto& b : buckets_) {
-    b.pending = static_cast<int>(b.params.size());
-    b.launched = false;
-  }
-  for (auto& p : params_) p.ready = false;
+  grad_buckets_.arm();
 }
 
 void ZeroPartitioner::on_grad_ready(int index) {
   if (!armed_) return;
-  ZeroParam& p = params_[index];
-  if (p.ready) return;  // a second accumulation (parameter used twice): its bucket copies both
-  p.ready = true;
-  Bucket& b = buckets_[p.bucket];
-  if (b.launched) return;  // finish_backward reduces what arrives after the launch
-  if (--b.pending == 0) launch_ready();
+  // A second accumulation (parameter used twice): its bucket copies both.
+  if (grad_buckets_.ready(index)) return;
+  // In a bucket launched already, it is reduced by finish_backward (GradBuckets ignores it).
+  grad_buckets_.mark_ready(index);
+  grad_buckets_.launch_ready();
 }
 
-void ZeroPartitioner::launch_ready() {
-  while (next_to_launch_ < static_cast<int>(buckets_.size()) &&
-         buckets_[next_to_launch_].pending == 0) {
-    launch(next_to_launch_++);
-  }
-}
-
-void ZeroPartitioner::launch(int index) {
-  RECORD_FUNCTION("ZeRO::reduce_scatter", c10::ArrayRef<const c10::IValue>{});
+void ZeroPartitioner::copy_in(int index) {
+  RECORD_FUNCTION("ZeRO::reduce_scatter_copy_in", c10::ArrayRef<const c10::IValue>{});
   Bucket& b = buckets_[index];
+  const BucketLayout& layout = grad_buckets_.layout();
+  const std::vector<int>& members = layout.buckets[index].params;
+  const int64_t chunk = layout.buckets[index].numel;
   const int W = group_->size();
   at::NoGradGuard no_grad;
-  b.launched = true;
   // Every rank launches every bucket, in order, also one that received no gradient on this
   // rank (unused parameters: zeros), so the collectives match across ranks.
-  b.input = at::zeros({W * b.chunk}, params_[b.params.front()].param.options());
-  for (int i : b.params) {
+  b.input = at::zeros({W * chunk}, params_[members.front()].param.options());
+  for (int i : members) {
     ZeroParam& p = params_[i];
     at::Tensor g = p.param.grad();
     if (!g.defined()) continue;  // unused this step: its slots stay zero
@@ -214,26 +186,29 @@ void ZeroPartitioner::launch(int index) {
     for (int r = 0; r < W; ++r) {
       const RowRange rr = shard_row_range(p.dim0, p.shard_rows, r);
       if (rr.size() == 0) continue;
-      b.input.narrow(0, r * b.chunk + p.offset, rr.size() * p.row_numel)
+      b.input.narrow(0, r * chunk + layout.offset_of[i], rr.size() * p.row_numel)
           .copy_(rows.narrow(0, rr.begin, rr.size()).reshape({-1}));
     }
     p.param.mutable_grad() = at::Tensor();  // whole gradient freed: only the partition stays
   }
-  b.output = at::empty({b.chunk}, b.input.options());
-  if (in_flight_ >= 0) finish(in_flight_);  // at most two buckets in flight
+  b.output = at::empty({chunk}, b.input.options());
+}
+
+void ZeroPartitioner::issue(int index) {
+  RECORD_FUNCTION("ZeRO::reduce_scatter", c10::ArrayRef<const c10::IValue>{});
+  Bucket& b = buckets_[index];
   b.work = group_->reduce_scatter_tensor_async(b.output, b.input, ReduceOp::kAvg);
-  in_flight_ = index;
 }
 
 void ZeroPartitioner::finish(int index) {
   Bucket& b = buckets_[index];
-  if (in_flight_ == index) in_flight_ = -1;
   if (!b.work) return;
   RECORD_FUNCTION("ZeRO::reduce_scatter_copy_out", c10::ArrayRef<const c10::IValue>{});
   b.work->wait();
   b.work.reset();
   at::NoGradGuard no_grad;
-  for (int i : b.params) {
+  const BucketLayout& layout = grad_buckets_.layout();
+  for (int i : layout.buckets[index].params) {
     ZeroParam& p = params_[i];
     if (p.rows.size() == 0) {
       // A rank past the parameter's last row: an empty gradient, so that the optimizer keeps
@@ -242,7 +217,8 @@ void ZeroPartitioner::finish(int index) {
       continue;
     }
     at::Tensor mine =
-        b.output.narrow(0, p.offset, p.rows.size() * p.row_numel).view(p.partition.sizes());
+        b.output.narrow(0, layout.offset_of[i], p.rows.size() * p.row_numel)
+            .view(p.partition.sizes());
     if (p.partition.grad().defined()) {
       p.partition.mutable_grad().add_(mine);
     } else {
@@ -254,26 +230,27 @@ void ZeroPartitioner::finish(int index) {
 }
 
 void ZeroPartitioner::reduce_all_defined() {
-  for (int i = 0; i < static_cast<int>(buckets_.size()); ++i) {
+  const BucketLayout& layout = grad_buckets_.layout();
+  for (int i = 0; i < grad_buckets_.num_buckets(); ++i) {
     bool any = false;
-    for (int j : buckets_[i].params) any = any || params_[j].param.grad().defined();
-    if (any) launch(i);
+    for (int j : layout.buckets[i].params) any = any || params_[j].param.grad().defined();
+    if (any) grad_buckets_.launch(i);
   }
-  if (in_flight_ >= 0) finish(in_flight_);
+  grad_buckets_.finish_all();
 }
 
 void ZeroPartitioner::finish_backward(bool sync) {
   if (options_.reduction == GradReduction::kAtBoundary) {
     if (!sync) return;  // gradients keep accumulating whole until the step's last micro-batch
-    for (int i = 0; i < static_cast<int>(buckets_.size()); ++i) launch(i);
-    if (in_flight_ >= 0) finish(in_flight_);
+    for (int i = 0; i < grad_buckets_.num_buckets(); ++i) grad_buckets_.launch(i);
+    grad_buckets_.finish_all();
     return;
   }
   if (!armed_) return;
   armed_ = false;
   // Buckets still waiting for a gradient that never came (unused parameters), in order.
-  while (next_to_launch_ < static_cast<int>(buckets_.size())) launch(next_to_launch_++);
-  if (in_flight_ >= 0) finish(in_flight_);
+  grad_buckets_.launch_remaining();
+  grad_buckets_.finish_all();
   // Gradients accumulated after their bucket launched (a second accumulation into a parameter,
   // from a nested backward such as reentrant activation checkpointing; the same on every rank):
   // reduced now, the reduction is linear.

@@ -6,10 +6,10 @@
 // persistent parameters of stage 3. See Note [ZeRO partitions] in partitioner.cpp.
 #pragma once
 
+#include "ddp/grad_buckets.h"
 #include "fsdp/comm.h"
 #include "fsdp/strategy.h"
 
-#include <torch/csrc/autograd/function.h>
 #include <torch/optim/optimizer.h>
 
 #include <cstdint>
@@ -37,12 +37,6 @@ struct ZeroParam {
   int64_t shard_rows = 0;  // R = ceil(dim0 / W)
   RowRange rows;           // this rank's rows
   int64_t shard_numel() const { return shard_rows * row_numel; }
-  // Gradient bucket and the offset of this parameter's chunk in each rank's part of it.
-  int bucket = -1;
-  int64_t offset = 0;
-  bool ready = false;  // kDuringBackward: its gradient arrived in this backward
-  c10::intrusive_ptr<torch::autograd::Node> grad_acc;  // kept alive: it carries our hook
-  uintptr_t hook_key = 0;
 };
 
 class ZeroPartitioner {
@@ -77,37 +71,37 @@ class ZeroPartitioner {
   std::vector<at::Tensor> partition_grads() const;
   const std::vector<ZeroParam>& params() const { return params_; }
   const ProcessGroupPtr& group() const { return group_; }
-  int64_t num_grad_buckets() const { return static_cast<int64_t>(buckets_.size()); }
+  int64_t num_grad_buckets() const { return grad_buckets_.num_buckets(); }
   // Largest bucket chunk per rank (elements), reduce-scatter and all-gather: what bounds the
   // transient buffers (two reduce-scatter buckets in flight: 2 x (W + 1) x chunk).
   int64_t max_grad_bucket_chunk() const;
 
  private:
+  // The reduce-scatter buffers of a bucket of grad_buckets_'s layout, from launch to finish.
+  // The layout's numel is the bucket's chunk: elements per rank (the sum of shard_numel).
   struct Bucket {
-    std::vector<int> params;  // indices into params_
-    int64_t chunk = 0;        // elements per rank: sum of shard_numel
-    int pending = 0;          // kDuringBackward: gradients still missing in this backward
-    bool launched = false;
-    at::Tensor input;         // (W * chunk), rank-major
-    at::Tensor output;        // (chunk)
+    at::Tensor input;   // (W * chunk), rank-major
+    at::Tensor output;  // (chunk)
     WorkPtr work;
   };
-  class Hook;
   void on_grad_ready(int index);
-  void launch(int bucket);   // copy-in of the whole gradients, free them, async reduce-scatter
+  void copy_in(int bucket);  // the whole gradients into its input, and free them
+  void issue(int bucket);    // async reduce-scatter
   void finish(int bucket);   // wait, accumulate into the partition gradients, free buffers
-  void launch_ready();
   void reduce_all_defined();  // every bucket holding a whole gradient, in order
 
   ProcessGroupPtr group_;
   Options options_;
   std::vector<ZeroParam> params_;
-  std::vector<Bucket> buckets_;                 // reverse registration order
+  std::vector<Bucket> buckets_;
+  // Reduce-scatter buckets in reverse registration order, one in flight. See Note [Gradient
+  // buckets] in src/ddp/grad_buckets.h.
+  GradBuckets grad_buckets_;
   std::vector<std::vector<int>> gather_buckets_;  // registration order
   bool armed_ = false;
-  int next_to_launch_ = 0;
-  int in_flight_ = -1;  // the launched bucket not yet finished (at most one besides the newest)
-  std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
+  // Declared last, so destroyed first (and the destructor expires alive_ before anything else).
+  Liveness alive_;
+  GradReadyHooks hooks_;  // kDuringBackward only
 };
 
 }  // namespace fsdp::detail
