@@ -4,12 +4,16 @@
 //   fsdp-ckpt inspect --json ckpt/step-100
 //   fsdp-ckpt convert ckpt/step-100 model.safetensors          consolidate (streaming)
 //   fsdp-ckpt convert --to sharded --world 4 ckpt/step-100 ckpt/step-100-w4
+//   fsdp-ckpt swap /local_nvme                 the disk tier's swap directories and their jobs
+//   fsdp-ckpt swap --remove-stale /local_nvme  remove those of jobs that are not running
 //
 // Conversion streams one tensor piece at a time: memory stays bounded by the largest piece
 // (at most the largest tensor), never the model. Errors print one line and exit 1.
 #include <fsdp/checkpoint.h>
 
 #include <nlohmann/json.hpp>
+
+#include "offload/swap_owner.h"
 
 #include <iostream>
 #include <string>
@@ -60,10 +64,50 @@ int inspect(const std::string& path, bool as_json) {
   return 0;
 }
 
+std::string gib(int64_t bytes) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.2f GiB", static_cast<double>(bytes) / (1 << 30));
+  return buf;
+}
+
+// The disk tier's rank directories under `nvme_path` (Note [Swap directory ownership] in
+// src/offload/swap_owner.cpp); with `remove_stale`, removes those whose job is not running.
+int swap(const std::string& nvme_path, bool remove_stale) {
+  namespace d = fsdp::detail;
+  if (remove_stale) {
+    const d::StaleSwapRemoval r = d::remove_stale_swap_dirs(nvme_path);
+    for (const auto& dir : r.removed_dirs) std::cout << "removed " << dir << "\n";
+    for (const auto& f : r.kept_files) {
+      std::cout << "kept " << f << " (not written by the disk tier)\n";
+    }
+    std::cout << r.removed_dirs.size() << " stale swap directories removed, " << gib(r.removed_bytes)
+              << " freed\n";
+    return 0;
+  }
+  const auto entries = d::list_swap_dirs(nvme_path);
+  int stale = 0;
+  for (const auto& e : entries) {
+    std::cout << e.path << ": " << (e.running ? "in use by " : "stale, ");
+    if (e.has_owner) {
+      std::cout << (e.running ? "" : "left by ") << d::describe(e.owner);
+    } else {
+      std::cout << "left by a process that recorded no owner";
+    }
+    std::cout << "; " << e.swap_files << " swap files, " << gib(e.swap_bytes);
+    if (!e.other_files.empty()) std::cout << "; " << e.other_files.size() << " other files";
+    std::cout << "\n";
+    stale += e.running ? 0 : 1;
+  }
+  std::cout << entries.size() << " swap directories, " << stale << " stale";
+  if (stale) std::cout << " (remove with: fsdp-ckpt swap --remove-stale " << nvme_path << ")";
+  std::cout << "\n";
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"fsdp-ckpt: inspect and convert fsdp.cpp checkpoints"};
+  CLI::App app{"fsdp-ckpt: inspect and convert fsdp.cpp checkpoints; list and clean swap directories"};
   app.require_subcommand(1);
   std::string path, in, out, to = "safetensors";
   bool as_json = false;
@@ -78,9 +122,17 @@ int main(int argc, char** argv) {
   conv->add_option("input", in, "checkpoint directory (full or sharded)")->required();
   conv->add_option("output", out, "output .safetensors file (or directory for --to sharded)")
       ->required();
+  std::string nvme_path;
+  bool remove_stale = false;
+  auto* sw = app.add_subcommand(
+      "swap", "list the disk tier's swap directories under an nvme_path and the jobs owning them");
+  sw->add_option("nvme_path", nvme_path, "the --nvme-path the jobs ran with")->required();
+  sw->add_flag("--remove-stale", remove_stale,
+               "remove the swap files of jobs that are not running (nothing else)");
   if (auto code = fsdp::cli::parse(app, argc, argv, "fsdp-ckpt")) return *code;
   try {
     if (ins->parsed()) return inspect(path, as_json);
+    if (sw->parsed()) return swap(nvme_path, remove_stale);
     if (to == "sharded") {
       if (world <= 0) {
         std::cerr << "fsdp-ckpt convert: --to sharded needs --world N\n";

@@ -19,6 +19,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <iostream>
 #include <mutex>
 
 namespace fsdp::detail {
@@ -38,7 +39,8 @@ std::string format_gib(int64_t bytes) {
 // not unwind) or SIGTERM (the launcher stops the other ranks when one fails) removes them too:
 // the live files and directories are listed in fixed slots that an atexit handler and a
 // SIGTERM handler (async-signal-safe: unlink/rmdir only, then the default action) walk.
-// SIGKILL leaves them: the job directory under nvme_path names the job, remove it by hand.
+// SIGKILL leaves them: the same job's next run takes them over, and `fsdp-ckpt swap
+// --remove-stale nvme_path` removes them (Note [Swap directory ownership]).
 constexpr int kSlots = 256;
 constexpr int kPathMax = 1024;
 char g_paths[kSlots][kPathMax];
@@ -165,6 +167,15 @@ SwapDir::SwapDir(const std::string& nvme_path, const std::string& job, int rank)
   TORCH_CHECK(::access(dir_.c_str(), W_OK) == 0, "[nvme] the swap directory '", dir_,
               "' is not writable: ", std::strerror(errno),
               ". HINT: point nvme_path at a writable directory");
+  // Note [Swap directory ownership]: no swap file is opened before this process owns dir_.
+  const bool first_holder = !SwapDirLock::held_here(dir_);
+  lock_ = SwapDirLock::acquire(dir_, job);
+  register_path(lock_->file(), 1);
+  if (first_holder && rank == 0) {
+    if (std::string notice = stale_swap_notice(nvme_path, job); !notice.empty()) {
+      std::cerr << notice << std::endl;
+    }
+  }
 }
 
 SwapDir::~SwapDir() { remove_all(); }
@@ -177,6 +188,8 @@ void SwapDir::remove_all() noexcept {
     unregister_path(f);
   }
   files_.clear();
+  if (lock_ && lock_.use_count() == 1) unregister_path(lock_->file());
+  lock_.reset();  // the last holder removes the owner record and dir_ (when empty)
   ::rmdir(dir_.c_str());
   unregister_path(dir_);
   ::rmdir(job_dir_.c_str());  // only when empty: other ranks may still use it

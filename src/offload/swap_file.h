@@ -4,7 +4,10 @@
 // See Note [Disk tier swapper] in docs/design.md.
 #pragma once
 
+#include "offload/swap_owner.h"
+
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -16,8 +19,9 @@ int64_t free_disk_bytes(const std::string& path);
 
 class SwapDir {
  public:
-  // Creates nvme_path/<job>/rank<rank>/ (parents included). An unwritable or read-only
-  // nvme_path is an error naming it.
+  // Creates nvme_path/<job>/rank<rank>/ (parents included) and takes its ownership (Note [Swap
+  // directory ownership] in src/offload/swap_owner.cpp): another live job in it is an error
+  // naming that job's pid and host. An unwritable or read-only nvme_path is an error naming it.
   SwapDir(const std::string& nvme_path, const std::string& job, int rank);
   ~SwapDir();  // closes and removes every file, the rank directory, and the job directory if empty
   SwapDir(const SwapDir&) = delete;
@@ -33,6 +37,7 @@ class SwapDir {
   void remove_all() noexcept;
   std::string dir_;
   std::string job_dir_;
+  std::shared_ptr<SwapDirLock> lock_;
   std::vector<std::string> files_;
   std::vector<int> fds_;
 };
