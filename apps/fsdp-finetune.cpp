@@ -439,8 +439,8 @@ int main(int argc, char** argv) {
   Args a;
   CLI::App app{
       "fsdp-finetune: QLoRA fine-tuning of a Hugging Face Llama model (NF4 base, LoRA "
-      "adapters in PEFT's format, 8-bit AdamW, FSDP).\nRanks are processes: --devices N "
-      "re-executes this program N times."};
+      "adapters in PEFT's format, 8-bit AdamW, FSDP).\nRanks are processes: --devices N runs N "
+      "processes (this program re-executes itself N - 1 times)."};
   app.option_defaults()->always_capture_default();
   app.get_formatter()->column_width(40);
   using fsdp::cli::at_least;

@@ -247,7 +247,7 @@ int main(int argc, char** argv) {
   Args a;
   CLI::App app{
       "fsdp-train: train a demo language model (Lightning's Transformer or a GPT-2) with the "
-      "fsdp.cpp Trainer.\nRanks are processes: --devices N re-executes this program N times."};
+      "fsdp.cpp Trainer.\nRanks are processes: --devices N runs N processes (this program re-executes itself N - 1 times)."};
   app.option_defaults()->always_capture_default();
   app.get_formatter()->column_width(34);
   using fsdp::cli::at_least;
