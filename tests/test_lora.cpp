@@ -15,7 +15,9 @@
 #include <torch/optim/adamw.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 
 namespace {
@@ -117,6 +119,33 @@ TEST(Lora, PeftAdaptersLoadBothWays) {
   auto keys = read_tensors(ours + "/adapter_model.safetensors");
   EXPECT_TRUE(keys.count("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"));
   EXPECT_TRUE(keys.count("base_model.model.lm_head.lora_B.weight"));
+}
+
+// target_modules = all-linear: the adapter is saved as PEFT saves it (the adapted layers' names,
+// not the literal "all-linear", which PeftModel.from_pretrained cannot match), and PEFT loads it
+// with the same logits.
+TEST(Lora, AllLinearAdapterIsSavedAsPeftSavesIt) {
+  const std::string dir = hf_scratch("lora_all_linear");
+  const std::string base = dir + "/base", ours = dir + "/adapter";
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+  const at::Tensor ids = at::randint(96, {2, 7}, gen);
+  write_tensors(dir + "/in.safetensors", {{"input_ids", ids}});
+  run_hf_reference({"make-llama", base, "--inter", "128"});
+  fsdp::HfLoadOptions o;
+  o.lora = lora_config();
+  o.lora->target_modules = {"all-linear"};
+  auto model = fsdp::load_llama(base, o);
+  randomize_adapters(*model, 13);
+  fsdp::save_peft_adapter(*model, *o.lora, ours, base);
+  std::ifstream config_file(ours + "/adapter_config.json");
+  const auto saved = nlohmann::json::parse(config_file);
+  auto names = saved["target_modules"].get<std::vector<std::string>>();
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"down_proj", "gate_proj", "k_proj", "o_proj",
+                                             "q_proj", "up_proj", "v_proj"}));
+  run_hf_reference({"peft-logits", base, ours, dir + "/in.safetensors", dir + "/ours.safetensors"});
+  EXPECT_LE(max_abs_diff(logits(*model, ids), read_tensors(dir + "/ours.safetensors").at("logits")),
+            1e-4);
 }
 
 TEST(Lora, NewAdapterIsANoOpAndMergeUnmergeRoundTrips) {

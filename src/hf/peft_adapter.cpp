@@ -7,7 +7,9 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <filesystem>
+#include <set>
 
 namespace fsdp {
 namespace {
@@ -16,6 +18,26 @@ namespace fs = std::filesystem;
 
 // PEFT's saved key: the wrapper prefix, the model FQN, no adapter name.
 constexpr const char* kPeftPrefix = "base_model.model.";
+
+// PEFT resolves target_modules = "all-linear" before it saves: adapter_config.json names the
+// adapted layers (the last component of each FQN, e.g. "q_proj"), and PEFT's loader matches
+// those names; a literal "all-linear" in the list matches nothing there.
+LoraConfig as_peft_saves_it(const LoraConfig& config,
+                            const std::vector<std::pair<std::string, at::Tensor>>& lora_weights) {
+  const auto& t = config.target_modules;
+  if (std::find(t.begin(), t.end(), "all-linear") == t.end()) return config;
+  std::set<std::string> names;
+  for (const auto& [fqn, tensor] : lora_weights) {
+    const std::string layer = fqn.substr(0, fqn.rfind(".lora_"));
+    names.insert(layer.substr(layer.rfind('.') + 1));
+  }
+  for (const auto& name : t) {
+    if (name != "all-linear") names.insert(name);
+  }
+  LoraConfig out = config;
+  out.target_modules.assign(names.begin(), names.end());
+  return out;
+}
 
 }  // namespace
 
@@ -34,7 +56,8 @@ void save_peft_adapter(const std::vector<std::pair<std::string, at::Tensor>>& lo
   }
   fs::create_directories(dir);
   ckpt::write_file_atomic((fs::path(dir) / "adapter_config.json").string(),
-                          config.to_json(base_model_name_or_path) + "\n");
+                          as_peft_saves_it(config, lora_weights).to_json(base_model_name_or_path) +
+                              "\n");
   ckpt::SafetensorsWriter writer((fs::path(dir) / "adapter_model.safetensors").string(), specs,
                                  {{"format", "pt"}});
   for (const at::Tensor& c : data) writer.write(c.data_ptr(), static_cast<size_t>(c.nbytes()));
