@@ -28,6 +28,17 @@ foreach(h ${installed_headers})
   endif()
 endforeach()
 
+# The installed programs start from the prefix: they find the libtorch they were built against.
+run(${prefix}/bin/fsdp-train --help)
+if(NOT out MATCHES "--strategy")
+  message(FATAL_ERROR "Build.InstalledPackageBuildsAnOutsideProject: ${prefix}/bin/fsdp-train --help printed no help:\n${out}")
+endif()
+run(${prefix}/bin/fsdp-train --model transformer-tiny --data synthetic --devices 2 --backend gloo
+    --strategy fsdp --max-steps 2 --no-progress-bar --default-root-dir ${WORK_DIR}/logs)
+if(NOT out MATCHES "2 steps")
+  message(FATAL_ERROR "Build.InstalledPackageBuildsAnOutsideProject: the installed fsdp-train did not train 2 steps:\n${out}")
+endif()
+
 # The outside project sees only the prefix: no source tree, no build tree on its paths.
 set(launcher)
 if(CCACHE)
