@@ -10,6 +10,8 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <iostream>
+#include <sstream>
 
 namespace {
 namespace fs = std::filesystem;
@@ -32,9 +34,10 @@ struct RankLM : fsdp::LightningModule {
   at::Tensor training_step(const fsdp::Batch& b, int64_t) override {
     at::Tensor loss = loss_of(b);
     const double rank = trainer()->global_rank();
-    fsdp::LogOptions synced;
+    fsdp::LogOptions synced, on_bar;
     synced.sync_dist = true;
-    log("loss_local", loss);
+    on_bar.prog_bar = true;
+    log("loss_local", loss, on_bar);
     log("loss_synced", loss, synced);
     log("rank_local", rank);
     log("rank_synced", rank, synced);
@@ -43,6 +46,7 @@ struct RankLM : fsdp::LightningModule {
   at::Tensor validation_step(const fsdp::Batch& b, int64_t) override {
     fsdp::LogOptions synced;
     synced.sync_dist = true;
+    synced.prog_bar = true;
     log("val_rank", static_cast<double>(trainer()->global_rank()), synced);
     log("val_rank_local", static_cast<double>(trainer()->global_rank()));
     return loss_of(b);
@@ -64,12 +68,16 @@ void run_rank_body() {
   o.limit_val_batches = 2;
   o.val_check_interval = 3;
   o.log_every_n_steps = 1;
-  o.enable_progress_bar = false;
+  o.enable_progress_bar = true;
   o.seed = 5;
   o.default_root_dir = std::getenv(kEnvInner);
   fsdp::Trainer trainer(o);
   RankLM model;
+  // Rank 0 draws the progress bar on stdout (plain lines: not a terminal here).
+  std::ostringstream bar;
+  std::streambuf* const saved = std::cout.rdbuf(bar.rdbuf());
   trainer.fit(model, train, val);
+  std::cout.rdbuf(saved);
 
   const int rank = trainer.global_rank();
   const auto& r = trainer.results();
@@ -95,6 +103,17 @@ void run_rank_body() {
   at::Tensor spread = at::tensor({std::abs(r.metrics.at("loss_local") - mean)}, at::kFloat);
   trainer.world()->all_reduce(spread, fsdp::ReduceOp::kMax);
   EXPECT_GT(spread.item<double>(), 0);
+
+  // The progress bar: one loss column. The module puts loss_local (logged without sync_dist) on
+  // the bar, so the Trainer's own mean loss is not shown beside it, and the bar says the value is
+  // rank 0's; the last line, drawn after the validation at that step, shows its metric.
+  if (rank == 0) {
+    const std::string out = bar.str();
+    EXPECT_NE(out.find("| loss_local (rank 0) "), std::string::npos) << out;
+    EXPECT_EQ(out.find("| loss "), std::string::npos) << out;
+    const std::string last = out.substr(out.rfind("3/3"));
+    EXPECT_NE(last.find("| val_rank 1"), std::string::npos) << out;
+  }
 
   // Every rank's expectations, reported by rank 0 (which the outer test reads).
   at::Tensor failed = at::tensor({::testing::Test::HasFailure() ? 1L : 0L}, at::kLong);

@@ -67,6 +67,7 @@ double MetricTracker::finish_step(double local_loss) {
     const std::string n = step_name(name, p.options);
     step_values_[n] = v;
     prog_bar_[n] = p.options.prog_bar;
+    rank0_only_[n] = !p.options.sync_dist && strategy_.world_size() > 1;
   }
   pending_step_.clear();
   return reduced[0];
@@ -90,6 +91,7 @@ std::map<std::string, double> MetricTracker::finish_epoch() {
     const std::string n = epoch_name(name, e.options);
     out[n] = v;
     prog_bar_[n] = e.options.prog_bar;
+    rank0_only_[n] = !e.options.sync_dist && strategy_.world_size() > 1;
   }
   epoch_values_ = out;
   epoch_.clear();
@@ -98,16 +100,28 @@ std::map<std::string, double> MetricTracker::finish_epoch() {
 
 std::map<std::string, double> MetricTracker::progress_bar_values() const {
   std::map<std::string, double> out;
-  for (const auto& [n, v] : epoch_values_) {
-    auto it = prog_bar_.find(n);
-    if (it != prog_bar_.end() && it->second) out[n] = v;
-  }
-  for (const auto& [n, v] : step_values_) {
-    auto it = prog_bar_.find(n);
-    if (it != prog_bar_.end() && it->second) out[n] = v;
-  }
+  auto add = [&](const std::map<std::string, double>& values) {
+    for (const auto& [n, v] : values) {
+      auto it = prog_bar_.find(n);
+      if (it == prog_bar_.end() || !it->second) continue;
+      auto r0 = rank0_only_.find(n);
+      out[r0 != rank0_only_.end() && r0->second ? n + " (rank 0)" : n] = v;
+    }
+  };
+  add(epoch_values_);
+  add(step_values_);
   for (const auto& kv : extra_) out[kv.first] = kv.second;
   return out;
+}
+
+bool MetricTracker::has_training_progress_bar_metric() const {
+  for (const auto* values : {&epoch_values_, &step_values_}) {
+    for (const auto& [n, v] : *values) {
+      auto it = prog_bar_.find(n);
+      if (it != prog_bar_.end() && it->second) return true;
+    }
+  }
+  return false;
 }
 
 std::map<std::string, double> MetricTracker::last_values() const {

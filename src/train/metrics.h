@@ -33,7 +33,11 @@ class MetricTracker {
 
   // Values of the last optimizer step (names already suffixed).
   const std::map<std::string, double>& step_values() const { return step_values_; }
+  // What the progress bar shows: the prog_bar metrics (a name logged without sync_dist at world
+  // > 1 gets " (rank 0)": it is rank 0's value) and the extra entries.
   std::map<std::string, double> progress_bar_values() const;
+  // Whether a training metric (step or epoch) is logged with prog_bar.
+  bool has_training_progress_bar_metric() const;
   // Latest value of everything reported (step and epoch).
   std::map<std::string, double> last_values() const;
   // Extra entries shown on the progress bar (e.g. the last validation metrics).
@@ -58,7 +62,8 @@ class MetricTracker {
   std::map<std::string, EpochSum> epoch_;
   std::map<std::string, double> step_values_;
   std::map<std::string, double> epoch_values_;
-  std::map<std::string, bool> prog_bar_;  // reported name -> shown on the bar
+  std::map<std::string, bool> prog_bar_;    // reported name -> shown on the bar
+  std::map<std::string, bool> rank0_only_;  // reported name -> rank 0's value at world > 1
   std::map<std::string, double> extra_;
 };
 

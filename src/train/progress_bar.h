@@ -1,7 +1,9 @@
 // Progress bar for the training loop (global rank 0 only; the Trainer decides who owns one).
 //
 // On a terminal it redraws one line in place (at most 10 times a second and on the last step):
-//   epoch 0 ▏ 37/100 [=======>           ]  37% · 12.3 it/s · loss 2.345 · train_loss 2.351 · ETA 00:05
+//   epoch 0 | 37/100 [=======>           ]  37% | 12.3 it/s | loss 2.345 | ETA 00:05
+// One loss column: the Trainer passes its loss (the mean over ranks) only when the module shows
+// no training metric of its own (Trainer::FitLoop::draw_progress in src/train/trainer.cpp).
 // When stdout is not a terminal (CI logs, pipes), it prints one plain line every
 // `log_every` steps and on the last step instead, so logs stay readable.
 #pragma once

@@ -296,7 +296,18 @@ struct Trainer::FitLoop {
   double comm_mark = 0;
   double disk_mark = 0;
   int64_t loss_count = 0;
+  double last_loss = NAN;  // the last step's loss, mean over ranks
   bool stop = false;
+
+  // The progress bar after a step (global rank 0 only). One loss column: the Trainer's loss
+  // (the mean over ranks) unless the module puts its own training metrics on the bar, as
+  // Lightning shows only what the module logs with prog_bar (a metric logged without sync_dist
+  // at world > 1 is labelled as rank 0's by MetricTracker::progress_bar_values).
+  void draw_progress(int64_t step, int64_t epoch) {
+    if (!bar) return;
+    const double shown = metrics.has_training_progress_bar_metric() ? NAN : last_loss;
+    bar->update(step, epoch, shown, metrics.progress_bar_values());
+  }
 };
 
 // The fit loop, as torchtitan's train -> train_step -> forward_backward_step: setup, then per
@@ -343,6 +354,8 @@ void Trainer::fit_impl(LightningModule& module, DataLoader& train_loader,
                         (L.val_every == 0 && last_batch))) {
         validate_during_fit(L);
       }
+      // After this step's validation, so its line shows this step's val metrics.
+      if (boundary) L.draw_progress(global_step_, current_epoch_);
       if (L.stop) break;
     }
 
@@ -529,9 +542,7 @@ void Trainer::report_step(FitLoop& L) {
   L.step_forward = L.step_backward = L.step_optimizer = 0;
   for (const auto& kv : L.metrics.step_values()) callback_metrics_[kv.first] = kv.second;
   results_.steps = global_step_;
-  if (L.bar) {
-    L.bar->update(global_step_, current_epoch_, global_loss, L.metrics.progress_bar_values());
-  }
+  L.last_loss = global_loss;
   if (L.csv && log_now) {
     auto row = L.metrics.step_values();
     if (!row.empty()) L.csv->log(global_step_, current_epoch_, row);
@@ -596,12 +607,17 @@ void Trainer::finish_fit(FitLoop& L) {
   std::string table = memory_summary(*world_);
   if (!is_global_zero()) return;
   std::ostringstream os;
-  os << std::fixed << std::setprecision(2) << "[fsdp] fit done: " << global_step_ << " steps, "
-     << results_.epochs << " epoch(s), " << results_.seconds << " s; " << results_.it_per_s
-     << " it/s ("
-     << (global_step_ > 1 ? "steps 2.." + std::to_string(global_step_) +
-                                "; step 1 is warm-up and excluded"
-                          : std::string("one step, warm-up included"))
+  // Counted from where this fit started: a resumed run reports its own steps.
+  const int64_t warm_up = L.start_step + 1;
+  os << std::fixed << std::setprecision(2) << "[fsdp] fit done: " << steps << " steps";
+  if (L.start_step > 0) {
+    os << " (" << warm_up << ".." << global_step_ << ", resumed after step " << L.start_step << ")";
+  }
+  os << ", " << results_.epochs << " epoch(s), " << results_.seconds << " s; "
+     << results_.it_per_s << " it/s ("
+     << (steps > 1 ? "steps " + std::to_string(warm_up + 1) + ".." + std::to_string(global_step_) +
+                         "; step " + std::to_string(warm_up) + " is warm-up and excluded"
+                   : std::string("one step, warm-up included"))
      << "); strategy " << strategy_->name() << ", world " << world_size() << ", "
      << results_.params << " parameters";
   if (!results_.losses.empty()) {
