@@ -58,6 +58,16 @@ std::string describe_wait_status(int status) {
   return "ended with wait status " + std::to_string(status);
 }
 
+bool process_is_stopped(pid_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(stat, line)) return false;
+  const auto close = line.rfind(')');  // the name may hold spaces and parentheses
+  if (close == std::string::npos || close + 2 >= line.size()) return false;
+  const char state = line[close + 2];
+  return state == 'T' || state == 't';
+}
+
 int exit_code_of(int status) {
   if (WIFEXITED(status)) return WEXITSTATUS(status);
   if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
@@ -295,6 +305,12 @@ struct Supervisor::Impl {
       c.stopped = true;
       ::kill(-c.pid, sig);  // its process group: the rank and anything it started
       ::kill(c.pid, sig);
+      if (sig == SIGTERM) {
+        // A stopped rank (SIGSTOP, a frozen debugger target) acts on SIGTERM only once it runs
+        // again: resume it so it ends now, with its SIGTERM cleanup, instead of at SIGKILL.
+        ::kill(-c.pid, SIGCONT);
+        ::kill(c.pid, SIGCONT);
+      }
     }
   }
 
