@@ -83,6 +83,8 @@ int main(int argc, char** argv) {
   try {
     TORCH_CHECK(node_rank < nnodes, "[fsdp-run] --node-rank ", node_rank,
                 " must be below --nnodes ", nnodes);
+    TORCH_CHECK(!is_wildcard_address(master_addr),
+                wildcard_address_error("[fsdp-run]", "--master-addr (or MASTER_ADDR)", master_addr));
     if (master_port == 0 && has_env("MASTER_PORT")) {
       const std::string text = get_env("MASTER_PORT");
       const std::string why = fsdp::cli::detail::parse_as<int>(text, master_port);

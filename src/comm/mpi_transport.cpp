@@ -55,6 +55,7 @@ namespace {
 // set and not loopback, else the first up, non-loopback IPv4 address of this host.
 std::string store_address_for_other_hosts() {
   const std::string master = read_settings().launch.master_addr;  // 127.0.0.1 when unset
+  TORCH_CHECK(!is_wildcard_address(master), wildcard_address_error("[mpi]", "MASTER_ADDR", master));
   if (master.rfind("127.", 0) != 0 && master != "localhost") return master;
   ifaddrs* list = nullptr;
   std::string out;
