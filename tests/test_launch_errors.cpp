@@ -1,5 +1,6 @@
-// What a user reads when a launch fails: a wildcard rendezvous address refused with a sentence
-// that says what to give. See Note [Rendezvous handshake].
+// What a user reads when a launch fails: one line per failure (plus the log path) under every
+// launcher, and a wildcard rendezvous address refused with a sentence that says what to give.
+// See Note [MPI launch output] in src/comm/mpirun_output.cpp and Note [Rendezvous handshake].
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -26,6 +27,55 @@ std::vector<std::string> lines_of(const std::string& text) {
     if (!line.empty()) out.push_back(line);
   }
   return out;
+}
+
+// A rank throws; the others wait (in a barrier, or asleep). stderr holds the failing rank's line
+// and at most one line of the launcher (its summary, or where mpirun's messages went).
+void expect_one_clean_error(const std::vector<std::string>& argv, bool mpirun) {
+  const ProcResult r = run_process(argv, {}, 120);
+  SCOPED_TRACE("stdout:\n" + r.out + "\nstderr:\n" + r.err);
+  EXPECT_NE(r.exit_code, 0);
+  const auto lines = lines_of(r.err);
+  EXPECT_LE(lines.size(), 2u);
+  EXPECT_EQ(count(r.err, "[rank 1] error: uncaught exception: helper: rank 1 throws on purpose"),
+            1u);
+  EXPECT_EQ(count(r.err, "frame #"), 0u);
+  EXPECT_EQ(count(r.err, "Read -1"), 0u);
+  EXPECT_EQ(count(r.err, "-----"), 0u);
+  for (int pid : printed_pids(r.out)) EXPECT_TRUE(gone_within(pid, 10.0)) << "pid " << pid;
+  if (!mpirun) return;
+  // mpirun's messages are kept, in the file the last line names.
+  std::smatch m;
+  const std::regex named(R"(are in (/\S+\.log))");
+  ASSERT_TRUE(std::regex_search(r.err, m, named));
+  const std::string path = m[1];
+  std::ifstream log(path);
+  ASSERT_TRUE(log.good()) << path;
+  std::stringstream text;
+  text << log.rdbuf();
+  EXPECT_NE(text.str().find("-----"), std::string::npos) << text.str();
+  std::filesystem::remove(path);
+}
+
+TEST(LaunchErrors, OneLinePerFailureUnderMpirun) {
+  // fsdp::launch re-running itself under mpirun (backend mpi, as auto picks it), world 3, the
+  // others in a barrier; and fsdp-run --backend mpi, world 2, the others asleep.
+  expect_one_clean_error({helper(), "--devices", "3", "--backend", "mpi", "--collective",
+                          "--fail-rank", "1", "--how", "throw", "--survivor-wait", "120"},
+                         true);
+  expect_one_clean_error({fsdp::testing::bin_path("fsdp-run"), "-n", "2", "--backend", "mpi",
+                          "--", helper(), "--fail-rank", "1", "--how", "throw",
+                          "--survivor-wait", "120"},
+                         true);
+}
+
+TEST(LaunchErrors, OneLinePerFailureUnderGloo) {
+  expect_one_clean_error({helper(), "--devices", "3", "--collective", "--fail-rank", "1", "--how",
+                          "throw", "--survivor-wait", "120"},
+                         false);
+  expect_one_clean_error({fsdp::testing::bin_path("fsdp-run"), "-n", "2", "--", helper(),
+                          "--fail-rank", "1", "--how", "throw", "--survivor-wait", "120"},
+                         false);
 }
 
 // The rendezvous never listens on every interface (docs/errors.md "Security"): a wildcard

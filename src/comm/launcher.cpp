@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "comm/launcher_detail.h"
+#include "comm/mpirun_output.h"
 #include "comm/rendezvous.h"
 
 namespace fsdp {
@@ -280,15 +281,9 @@ void check_options(const LaunchOptions& o) {
   if (!read_settings().stdout_is_terminal) {
     ::setenv("FSDP_STDOUT_IS_TERMINAL", ::isatty(STDOUT_FILENO) == 1 ? "1" : "0", 1);
   }
-  std::vector<char*> cargv;
-  for (auto& a : argv) cargv.push_back(a.data());
-  cargv.push_back(nullptr);
   std::fflush(stdout);
   std::cerr.flush();
-  ::execv(argv[0].c_str(), cargv.data());
-  TORCH_CHECK(false, "[launch] cannot execute ", argv[0], ": ", std::strerror(errno),
-              "; install openmpi-bin or use backend 'gloo'");
-  std::abort();  // unreachable
+  run_mpirun_filtered(argv);  // See Note [MPI launch output]
 }
 
 }  // namespace

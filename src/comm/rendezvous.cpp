@@ -222,12 +222,7 @@ void join_handshake(c10d::Store& store, const RendezvousOptions& o, const std::s
 }  // namespace
 
 Rendezvous rendezvous(const RendezvousOptions& o) {
-  // c10d logs each failure (with a C++ backtrace) before throwing it, and warns whenever it
-  // cannot reverse-resolve a client; we report the exception once, in one sentence. So c10's
-  // log level goes to FATAL unless the user chose one (TORCH_CPP_LOG_LEVEL).
-  if (!read_settings().torch_log_level_set) {
-    FLAGS_caffe2_log_level = std::max(FLAGS_caffe2_log_level, 3);
-  }
+  quiet_c10_logging();
   TORCH_CHECK(o.master_port > 0 && o.master_port < 65536, "[init_process_group] world size ",
               o.size, " needs MASTER_PORT (got ", o.master_port,
               "); start the ranks with fsdp-run, or set MASTER_ADDR and MASTER_PORT");
@@ -291,6 +286,15 @@ std::string wildcard_address_error(const std::string& who, const std::string& wh
          "host), and the rendezvous listens on one address only; give rank 0's host's concrete " +
          "address: 127.0.0.1 when every rank runs on this host, else the address of the " +
          "interface the other nodes reach (e.g. 10.0.0.1)";
+}
+
+void quiet_c10_logging() {
+  // c10d logs each failure (with a C++ backtrace) before throwing it, and warns whenever it
+  // cannot reverse-resolve a client; we report the exception once, in one sentence. So c10's
+  // log level goes to FATAL unless the user chose one (TORCH_CPP_LOG_LEVEL).
+  if (!read_settings().torch_log_level_set) {
+    FLAGS_caffe2_log_level = std::max(FLAGS_caffe2_log_level, 3);
+  }
 }
 
 int listen_on(const std::string& host, int port) {

@@ -32,6 +32,10 @@ struct Rendezvous {
 // TORCH_CHECK message naming the address, the rank(s) and the remedy.
 Rendezvous rendezvous(const RendezvousOptions& options);
 
+// c10's log level to FATAL unless TORCH_CPP_LOG_LEVEL is set: c10d logs every store failure with
+// a C++ backtrace before it throws; the exception is reported once, in one line. Idempotent.
+void quiet_c10_logging();
+
 // A TCP socket bound to host:port (port 0: any free one) and listening, SO_REUSEADDR, close on
 // exec; or -errno (-EADDRNOTAVAIL also when `host` does not resolve, -EINVAL when it is a
 // wildcard address: see is_wildcard_address). Stores take it over through
