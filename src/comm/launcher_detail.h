@@ -63,6 +63,11 @@ struct ChildStatus {
   bool stopped = false;  // the supervisor signalled it (after a failure elsewhere)
 };
 
+// Writes all of it to fd, retrying after EINTR and short writes; gives up on other errors.
+// Async-signal-safe (write(2) only), so usable between fork and exec.
+void write_all(int fd, const char* data, size_t n);
+void write_all(int fd, const std::string& s);
+
 // How a finished process ended: "exited with status 1" / "was killed by signal 9 (Killed)".
 std::string describe_wait_status(int wait_status);
 // The kernel's count of OOM kills (/proc/vmstat oom_kill), -1 when unknown.

@@ -25,6 +25,12 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+}  // namespace
+
 void write_all(int fd, const char* data, size_t n) {
   while (n > 0) {
     ssize_t w = ::write(fd, data, n);
@@ -40,12 +46,6 @@ void write_all(int fd, const char* data, size_t n) {
 void write_all(int fd, const std::string& s) {
   write_all(fd, s.data(), s.size());
 }
-
-double seconds_since(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
-}
-
-}  // namespace
 
 std::string describe_wait_status(int status) {
   if (WIFEXITED(status)) return "exited with status " + std::to_string(WEXITSTATUS(status));

@@ -3,6 +3,8 @@
 // launch output].
 #include "comm/mpirun_output.h"
 
+#include "comm/launcher_detail.h"
+
 #include <c10/util/Exception.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -47,20 +49,6 @@ std::atomic<pid_t> g_mpirun{-1};
 void forward_signal(int sig) {
   const pid_t pid = g_mpirun.load();
   if (pid > 0) ::kill(pid, sig);
-}
-
-void write_all(int fd, const std::string& s) {
-  const char* p = s.data();
-  size_t n = s.size();
-  while (n > 0) {
-    ssize_t w = ::write(fd, p, n);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      return;
-    }
-    p += w;
-    n -= static_cast<size_t>(w);
-  }
 }
 
 class LineSorter {
