@@ -271,7 +271,8 @@ void check_options(const LaunchOptions& o) {
   argv.push_back(exe);
   argv.insert(argv.end(), args.begin() + 1, args.end());
   int threads = threads_per_rank(devices);
-  // The variables mpirun's ranks inherit (this process becomes mpirun): see docs/environment.md.
+  // The variables mpirun's ranks inherit (mpirun is started from this process): see
+  // docs/environment.md.
   ::setenv("OMP_NUM_THREADS", std::to_string(threads).c_str(), 1);
   ::setenv(kEnvNumThreads, std::to_string(threads).c_str(), 1);
   ::setenv(kEnvLauncher, "mpirun", 1);
