@@ -71,4 +71,18 @@ inline int64_t failed_at_ms(const std::string& out, int rank) {
   return std::regex_search(out, m, re) ? std::stoll(m[1]) : -1;
 }
 
+// The log file a failed MPI launch names on stderr ("... are in /tmp/fsdp-mpirun-XXXXXX.log",
+// see Note [MPI launch output]), or "".
+inline std::string mpirun_log_named_in(const std::string& err) {
+  std::smatch m;
+  static const std::regex named(R"(are in (/\S+\.log))");
+  return std::regex_search(err, m, named) ? std::string(m[1]) : std::string();
+}
+
+// Removes that log: a test leaves nothing behind.
+inline void remove_mpirun_log(const std::string& err) {
+  const std::string path = mpirun_log_named_in(err);
+  if (!path.empty()) std::filesystem::remove(path);
+}
+
 }  // namespace fsdp::testing::launch

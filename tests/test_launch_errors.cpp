@@ -45,10 +45,8 @@ void expect_one_clean_error(const std::vector<std::string>& argv, bool mpirun) {
   for (int pid : printed_pids(r.out)) EXPECT_TRUE(gone_within(pid, 10.0)) << "pid " << pid;
   if (!mpirun) return;
   // mpirun's messages are kept, in the file the last line names.
-  std::smatch m;
-  const std::regex named(R"(are in (/\S+\.log))");
-  ASSERT_TRUE(std::regex_search(r.err, m, named));
-  const std::string path = m[1];
+  const std::string path = mpirun_log_named_in(r.err);
+  ASSERT_FALSE(path.empty());
   std::ifstream log(path);
   ASSERT_TRUE(log.good()) << path;
   std::stringstream text;

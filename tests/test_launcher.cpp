@@ -246,6 +246,7 @@ TEST(Launcher, MpiRankFailureEndsTheJob) {
   EXPECT_LT(r.seconds, kSurvivorWaitS / 2);
   EXPECT_EQ(count(r.err, "[rank 1] error: uncaught exception"), 1u) << r.err;
   for (int pid : printed_pids(r.out)) EXPECT_TRUE(gone_within(pid, 10.0)) << "pid " << pid;
+  remove_mpirun_log(r.err);
 }
 
 TEST(FsdpRun, EachRankSeesItsRank) {

@@ -50,6 +50,7 @@ double run_case(const StopCase& c) {
   const ProcResult r =
       run_process(argv, {{"FSDP_COLLECTIVE_TIMEOUT_S", std::to_string(kTimeoutS)}}, 60);
   const int64_t ended_ms = now_ms();
+  remove_mpirun_log(r.err);
   const std::vector<int> pids = printed_pids(r.out);
   bool all_gone = true;
   for (int pid : pids) {
