@@ -13,6 +13,7 @@
 
 #include "cli.h"
 #include "comm/launcher_detail.h"
+#include "comm/mpirun_output.h"
 #include "comm/rendezvous.h"
 
 namespace {
@@ -83,6 +84,8 @@ int main(int argc, char** argv) {
   try {
     TORCH_CHECK(node_rank < nnodes, "[fsdp-run] --node-rank ", node_rank,
                 " must be below --nnodes ", nnodes);
+    TORCH_CHECK(!is_wildcard_address(master_addr),
+                wildcard_address_error("[fsdp-run]", "--master-addr (or MASTER_ADDR)", master_addr));
     if (master_port == 0 && has_env("MASTER_PORT")) {
       const std::string text = get_env("MASTER_PORT");
       const std::string why = fsdp::cli::detail::parse_as<int>(text, master_port);
@@ -111,12 +114,7 @@ int main(int argc, char** argv) {
       ::setenv("OMP_NUM_THREADS", std::to_string(threads).c_str(), 1);
       ::setenv(kEnvNumThreads, std::to_string(threads).c_str(), 1);
       if (nproc > available_cores()) ::setenv("OMPI_MCA_mpi_yield_when_idle", "1", 1);
-      std::vector<char*> cargv;
-      for (auto& a : mpi) cargv.push_back(a.data());
-      cargv.push_back(nullptr);
-      ::execv(mpi[0].c_str(), cargv.data());
-      std::cerr << "fsdp-run: cannot execute " << mpi[0] << ": " << std::strerror(errno) << "\n";
-      return 127;
+      run_mpirun_filtered(mpi);  // See Note [MPI launch output]
     }
 
     SupervisorOptions sopt;

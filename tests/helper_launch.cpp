@@ -2,8 +2,10 @@
 // fsdp-run's / mpirun's ranks), prints what each rank sees, and lets one rank fail in a chosen
 // way while the others wait (as ranks blocked in a collective would).
 //
-//   helper_launch --devices 3 --fail-rank 2 --how throw|abort|sigkill|exit|segv|fail_rank|oom
+//   helper_launch --devices 3 --fail-rank 2 --how throw|abort|sigkill|exit|segv|fail_rank|oom|stop
 //
+// stop: the rank stops itself (SIGSTOP), as a rank frozen by a debugger, a job-control signal or
+// a host that stops scheduling it; it never resumes.
 // oom: the rank touches 64 MiB blocks until the kernel kills it (run it in a memory cgroup).
 #include <ATen/Parallel.h>
 #include <signal.h>
@@ -85,6 +87,11 @@ int main(int argc, char** argv) {
     if (how == "abort") std::abort();
     if (how == "sigkill") ::raise(SIGKILL);
     if (how == "segv") ::raise(SIGSEGV);
+    if (how == "stop") {
+      ::raise(SIGSTOP);
+      std::fprintf(stderr, "helper: rank %d was continued\n", info.rank);
+      return 8;
+    }
     if (how == "oom") {
       std::vector<std::unique_ptr<char[]>> blocks;
       for (int i = 0; i < 128; ++i) {  // 8 GiB at most

@@ -14,54 +14,15 @@
 
 #include "comm/launcher_detail.h"
 #include "fsdp/launcher.h"
+#include "launch_test_util.h"
 #include "testing.h"
 
 namespace {
 
+using namespace fsdp::testing::launch;
+
 using fsdp::testing::ProcResult;
 using fsdp::testing::run_process;
-
-std::string helper() {
-  return (std::filesystem::path(fsdp::detail::self_exe()).parent_path() / "helper_launch").string();
-}
-
-// Every "pid N" the ranks printed.
-std::vector<int> printed_pids(const std::string& out) {
-  std::vector<int> pids;
-  std::regex re("pid ([0-9]+)");
-  for (auto it = std::sregex_iterator(out.begin(), out.end(), re); it != std::sregex_iterator();
-       ++it)
-    pids.push_back(std::stoi((*it)[1]));
-  return pids;
-}
-
-// A process is gone when /proc has no entry or it is a zombie nobody reaped yet
-// (in containers PID 1 may not reap orphans).
-bool process_gone(int pid) {
-  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  if (!stat) return true;
-  std::string line;
-  std::getline(stat, line);
-  auto close = line.rfind(')');
-  return close != std::string::npos && close + 2 < line.size() && line[close + 2] == 'Z';
-}
-
-// The bound: every rank is gone within 10 s of the failure. mpirun can exit a few
-// milliseconds before its daemons have reaped the ranks they killed, so poll up to that bound.
-bool gone_within(int pid, double seconds) {
-  auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
-  while (!process_gone(pid)) {
-    if (std::chrono::steady_clock::now() > deadline) return false;
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  return true;
-}
-
-size_t count(const std::string& text, const std::string& what) {
-  size_t n = 0;
-  for (size_t pos = text.find(what); pos != std::string::npos; pos = text.find(what, pos + 1)) ++n;
-  return n;
-}
 
 // Sets or unsets environment variables for one test and restores them afterwards.
 class EnvGuard {
@@ -285,6 +246,7 @@ TEST(Launcher, MpiRankFailureEndsTheJob) {
   EXPECT_LT(r.seconds, kSurvivorWaitS / 2);
   EXPECT_EQ(count(r.err, "[rank 1] error: uncaught exception"), 1u) << r.err;
   for (int pid : printed_pids(r.out)) EXPECT_TRUE(gone_within(pid, 10.0)) << "pid " << pid;
+  remove_mpirun_log(r.err);
 }
 
 TEST(FsdpRun, EachRankSeesItsRank) {

@@ -3,6 +3,7 @@
 // Note [MPI launch] and Note [Rank 0 exit].
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -15,6 +16,7 @@
 #include <thread>
 
 #include "comm/launcher_detail.h"
+#include "comm/mpirun_output.h"
 #include "comm/rendezvous.h"
 
 namespace fsdp {
@@ -26,6 +28,7 @@ namespace {
 // Set once at launch (before any handler can run) and read by the failure paths.
 std::atomic<int> g_rank{0};
 std::atomic<int> g_notify_fd{-1};
+std::atomic<bool> g_parent_is_rank0{false};  // a rank fsdp::launch spawned (Note [Failure notice])
 Supervisor* g_supervisor = nullptr;  // rank 0 of a spawned job; leaked on purpose
 // For the fatal-signal handler (async-signal-safe): children's pids and precomputed lines.
 constexpr int kMaxChildren = 4096;
@@ -110,6 +113,31 @@ std::string exception_text(std::exception_ptr ep) {
   }
 }
 
+// A rank spawned by fsdp::launch whose parent (rank 0, which also watches the ranks and forwards
+// their stderr) is stopped: nobody would end the job, the stopped parent would stay for ever, and
+// this rank's error would stay unread in the parent's pipe. So the rank writes its error to the
+// parent's own stderr (/proc/<parent>/fd/2) and ends the parent the way a supervisor ends a
+// stopped rank (SIGTERM, then resume it); its other children follow (PR_SET_PDEATHSIG). Returns
+// false (and does nothing) when the parent is not stopped. See Note [Culprit path deadlines] in
+// process_group_monitor.cpp.
+bool end_stopped_parent(const std::string& text) {
+  const pid_t parent = ::getppid();
+  if (parent <= 1 || !process_is_stopped(parent)) return false;
+  const std::string line = text + "fsdp: rank 0 (pid " + std::to_string(parent) +
+                           ") is stopped and cannot end the job; ending it and its ranks\n";
+  const int fd = ::open(("/proc/" + std::to_string(parent) + "/fd/2").c_str(),
+                        O_WRONLY | O_APPEND | O_CLOEXEC);
+  if (fd >= 0) {
+    (void)!::write(fd, line.data(), line.size());
+    ::close(fd);
+  } else {
+    raw_write(line.c_str());
+  }
+  ::kill(parent, SIGTERM);
+  ::kill(parent, SIGCONT);
+  return true;
+}
+
 void on_terminate() {
   std::string what = "std::terminate called without an active exception";
   if (auto ep = std::current_exception()) what = "uncaught exception: " + exception_text(ep);
@@ -176,6 +204,7 @@ void install_failure_handlers() {
   std::snprintf(g_signal_prefix, sizeof(g_signal_prefix), "[rank %d] ", info.rank);
   std::snprintf(g_world_text, sizeof(g_world_text), "%d", info.world_size);
   if (settings.notify_fd >= 0) g_notify_fd.store(settings.notify_fd);
+  g_parent_is_rank0.store(info.source == "spawn" && info.rank != 0);
   if (installed.exchange(true)) return;
   std::set_terminate(on_terminate);
   struct sigaction sa {};
@@ -214,7 +243,7 @@ using namespace detail;
   }
   send_failure_notice();
   std::fflush(stdout);
-  raw_write(text.c_str());
+  if (!g_parent_is_rank0.load() || !end_stopped_parent(text)) raw_write(text.c_str());
   ::_exit(exit_code);
 }
 
@@ -242,7 +271,8 @@ void check_options(const LaunchOptions& o) {
   argv.push_back(exe);
   argv.insert(argv.end(), args.begin() + 1, args.end());
   int threads = threads_per_rank(devices);
-  // The variables mpirun's ranks inherit (this process becomes mpirun): see docs/environment.md.
+  // The variables mpirun's ranks inherit (mpirun is started from this process): see
+  // docs/environment.md.
   ::setenv("OMP_NUM_THREADS", std::to_string(threads).c_str(), 1);
   ::setenv(kEnvNumThreads, std::to_string(threads).c_str(), 1);
   ::setenv(kEnvLauncher, "mpirun", 1);
@@ -252,15 +282,9 @@ void check_options(const LaunchOptions& o) {
   if (!read_settings().stdout_is_terminal) {
     ::setenv("FSDP_STDOUT_IS_TERMINAL", ::isatty(STDOUT_FILENO) == 1 ? "1" : "0", 1);
   }
-  std::vector<char*> cargv;
-  for (auto& a : argv) cargv.push_back(a.data());
-  cargv.push_back(nullptr);
   std::fflush(stdout);
   std::cerr.flush();
-  ::execv(argv[0].c_str(), cargv.data());
-  TORCH_CHECK(false, "[launch] cannot execute ", argv[0], ": ", std::strerror(errno),
-              "; install openmpi-bin or use backend 'gloo'");
-  std::abort();  // unreachable
+  run_mpirun_filtered(argv);  // See Note [MPI launch output]
 }
 
 }  // namespace

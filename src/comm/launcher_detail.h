@@ -63,6 +63,11 @@ struct ChildStatus {
   bool stopped = false;  // the supervisor signalled it (after a failure elsewhere)
 };
 
+// Writes all of it to fd, retrying after EINTR and short writes; gives up on other errors.
+// Async-signal-safe (write(2) only), so usable between fork and exec.
+void write_all(int fd, const char* data, size_t n);
+void write_all(int fd, const std::string& s);
+
 // How a finished process ended: "exited with status 1" / "was killed by signal 9 (Killed)".
 std::string describe_wait_status(int wait_status);
 // The kernel's count of OOM kills (/proc/vmstat oom_kill), -1 when unknown.
@@ -71,6 +76,9 @@ int64_t kernel_oom_kills();
 // rose since the job started: a sentence saying so and what to do; "" otherwise.
 std::string oom_kill_explanation(int wait_status, bool stopped_by_us, int64_t oom_kills_before,
                                  int64_t oom_kills_now);
+// True when the process is stopped (state T or t in /proc/<pid>/stat: SIGSTOP, job control, a
+// debugger).
+bool process_is_stopped(pid_t pid);
 // Shell-style exit code: the exit status, or 128 + signal.
 int exit_code_of(int wait_status);
 bool failed(int wait_status);
@@ -85,7 +93,8 @@ bool failed(int wait_status);
 // main loop in fsdp-run) polls the children (waitpid on each pid, never waitpid(-1): rank 0's
 // own program may have children of its own), the failure-notice pipe and the children's
 // stderr pipes. The first failure (see Note [Failure notice]) is the *primary* failure: the
-// other ranks get SIGTERM and, after a grace period, SIGKILL; the primary's stderr is drained
+// other ranks get SIGTERM (and SIGCONT: a stopped rank acts on SIGTERM only once resumed) and,
+// after a grace period, SIGKILL; the primary's stderr is drained
 // and one line says what happened: "fsdp: rank 2 exited with status 1; stopping all 4 ranks".
 //
 // Note [Failure notice]

@@ -25,6 +25,12 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+}  // namespace
+
 void write_all(int fd, const char* data, size_t n) {
   while (n > 0) {
     ssize_t w = ::write(fd, data, n);
@@ -41,12 +47,6 @@ void write_all(int fd, const std::string& s) {
   write_all(fd, s.data(), s.size());
 }
 
-double seconds_since(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
-}
-
-}  // namespace
-
 std::string describe_wait_status(int status) {
   if (WIFEXITED(status)) return "exited with status " + std::to_string(WEXITSTATUS(status));
   if (WIFSIGNALED(status)) {
@@ -56,6 +56,16 @@ std::string describe_wait_status(int status) {
            (name ? std::string(" (") + name + ")" : "");
   }
   return "ended with wait status " + std::to_string(status);
+}
+
+bool process_is_stopped(pid_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(stat, line)) return false;
+  const auto close = line.rfind(')');  // the name may hold spaces and parentheses
+  if (close == std::string::npos || close + 2 >= line.size()) return false;
+  const char state = line[close + 2];
+  return state == 'T' || state == 't';
 }
 
 int exit_code_of(int status) {
@@ -295,6 +305,12 @@ struct Supervisor::Impl {
       c.stopped = true;
       ::kill(-c.pid, sig);  // its process group: the rank and anything it started
       ::kill(c.pid, sig);
+      if (sig == SIGTERM) {
+        // A stopped rank (SIGSTOP, a frozen debugger target) acts on SIGTERM only once it runs
+        // again: resume it so it ends now, with its SIGTERM cleanup, instead of at SIGKILL.
+        ::kill(-c.pid, SIGCONT);
+        ::kill(c.pid, SIGCONT);
+      }
     }
   }
 

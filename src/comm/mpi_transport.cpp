@@ -55,6 +55,7 @@ namespace {
 // set and not loopback, else the first up, non-loopback IPv4 address of this host.
 std::string store_address_for_other_hosts() {
   const std::string master = read_settings().launch.master_addr;  // 127.0.0.1 when unset
+  TORCH_CHECK(!is_wildcard_address(master), wildcard_address_error("[mpi]", "MASTER_ADDR", master));
   if (master.rfind("127.", 0) != 0 && master != "localhost") return master;
   ifaddrs* list = nullptr;
   std::string out;
@@ -226,6 +227,7 @@ MpiWorld make_mpi_world() {
     check_mpi(MPI_Comm_size(comm, &world.size), "MPI_Comm_size");
     world.transport = std::move(t);
     if (world.size == 1) return;
+    quiet_c10_logging();  // the heartbeat store's failures are reported once, by us
     // Heartbeat store: rank 0 hosts it on a free port. See Note [Collective timeouts]. It
     // listens on loopback when every rank shares rank 0's host, else on rank 0's address
     // towards the others (MASTER_ADDR when set, else its first non-loopback IPv4 address).

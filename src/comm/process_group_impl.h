@@ -111,7 +111,7 @@ inline constexpr const char* kSilentRanks =
 
 // Publishes, per group, the sequence number and op of the collective this rank last called,
 // and answers "which ranks did not join collective #s" when one times out.
-// See Note [Collective timeouts].
+// See Note [Collective timeouts] and Note [Culprit path deadlines].
 class Monitor {
  public:
   // period: heartbeat interval (min(1 s, timeout / 4) keeps messages accurate).
@@ -120,30 +120,23 @@ class Monitor {
   // issued: (seq << 4) | op of the last collective this rank called on the group.
   void add_group(const std::string& uid, std::shared_ptr<std::atomic<int64_t>> issued);
   void remove_group(const std::string& uid);
-  // "ranks 2 did not join (rank 2 last called barrier #1)"; never throws.
+  // "ranks 2 did not join (rank 2 last called barrier #1)"; never throws, never waits longer
+  // than answer_deadline(timeout) for the store, twice, plus one heartbeat period.
   std::string describe_missing(const std::string& uid, const std::vector<int>& world_ranks,
                                int64_t seq, std::chrono::milliseconds timeout);
+  // Stops the heartbeat thread; waits for it at most a few seconds (it may be stuck in a store
+  // call to a stopped rank 0) and leaves it behind after that.
   void stop();
+  // How long describe_missing waits for the store's answer before it names rank 0 (the
+  // store's host) as not heard from.
+  static std::chrono::milliseconds answer_deadline(std::chrono::milliseconds timeout);
+
+  struct State;  // shared with the heartbeat thread, which may outlive the Monitor
 
  private:
-  void loop();
-  void publish_locked(const std::string& uid, int64_t value);
-  c10::intrusive_ptr<c10d::Store> store_;
-  int world_rank_;
-  std::mutex mutex_;  // guards everything below and every store_ call
-  std::condition_variable cv_;
-  struct Entry {
-    std::string uid;
-    std::shared_ptr<std::atomic<int64_t>> issued;
-    int64_t published = -1;
-  };
-  std::vector<Entry> groups_;
-  bool stopping_ = false;
-  bool store_broken_ = false;
-  std::chrono::milliseconds period_{1000};
+  std::shared_ptr<State> state_;
   std::chrono::milliseconds initial_period_{1000};  // every rank's heartbeat interval
-  int64_t beats_ = 0;  // this rank's liveness counter (fsdp/hb/alive/<rank>), once per period
-  std::thread thread_;
+  std::mutex describe_mutex_;  // one describe_missing at a time
 };
 
 // State of one enqueued collective, shared by its Work handle and the comm thread.

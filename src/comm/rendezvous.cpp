@@ -112,6 +112,8 @@ int listen_socket(const RendezvousOptions& o) {
   const std::string host = is_loopback(o.master_addr)
                                ? (o.master_addr == "::1" ? "::1" : "127.0.0.1")
                                : o.master_addr;
+  TORCH_CHECK(!is_wildcard_address(o.master_addr),
+              wildcard_address_error("[init_process_group]", "MASTER_ADDR", o.master_addr));
   const int fd = listen_on(host, o.master_port);
   if (fd >= 0) return fd;
   const int err = -fd;
@@ -220,12 +222,7 @@ void join_handshake(c10d::Store& store, const RendezvousOptions& o, const std::s
 }  // namespace
 
 Rendezvous rendezvous(const RendezvousOptions& o) {
-  // c10d logs each failure (with a C++ backtrace) before throwing it, and warns whenever it
-  // cannot reverse-resolve a client; we report the exception once, in one sentence. So c10's
-  // log level goes to FATAL unless the user chose one (TORCH_CPP_LOG_LEVEL).
-  if (!read_settings().torch_log_level_set) {
-    FLAGS_caffe2_log_level = std::max(FLAGS_caffe2_log_level, 3);
-  }
+  quiet_c10_logging();
   TORCH_CHECK(o.master_port > 0 && o.master_port < 65536, "[init_process_group] world size ",
               o.size, " needs MASTER_PORT (got ", o.master_port,
               "); start the ranks with fsdp-run, or set MASTER_ADDR and MASTER_PORT");
@@ -262,7 +259,46 @@ Rendezvous rendezvous(const RendezvousOptions& o) {
   return out;
 }
 
+bool is_wildcard_address(const std::string& host) {
+  std::string h = host;
+  if (h.size() >= 2 && h.front() == '[' && h.back() == ']') h = h.substr(1, h.size() - 2);
+  if (h.empty()) return true;
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  if (getaddrinfo(h.c_str(), nullptr, &hints, &res) != 0) return false;
+  bool wildcard = false;
+  for (addrinfo* ai = res; ai; ai = ai->ai_next) {
+    if (ai->ai_family == AF_INET) {
+      wildcard |= reinterpret_cast<sockaddr_in*>(ai->ai_addr)->sin_addr.s_addr == htonl(INADDR_ANY);
+    } else if (ai->ai_family == AF_INET6) {
+      wildcard |= IN6_IS_ADDR_UNSPECIFIED(&reinterpret_cast<sockaddr_in6*>(ai->ai_addr)->sin6_addr);
+    }
+  }
+  freeaddrinfo(res);
+  return wildcard;
+}
+
+std::string wildcard_address_error(const std::string& who, const std::string& what,
+                                   const std::string& host) {
+  return who + " " + what + " '" + host + "' is the wildcard address (every interface of the " +
+         "host), and the rendezvous listens on one address only; give rank 0's host's concrete " +
+         "address: 127.0.0.1 when every rank runs on this host, else the address of the " +
+         "interface the other nodes reach (e.g. 10.0.0.1)";
+}
+
+void quiet_c10_logging() {
+  // c10d logs each failure (with a C++ backtrace) before throwing it, and warns whenever it
+  // cannot reverse-resolve a client; we report the exception once, in one sentence. So c10's
+  // log level goes to FATAL unless the user chose one (TORCH_CPP_LOG_LEVEL).
+  if (!read_settings().torch_log_level_set) {
+    FLAGS_caffe2_log_level = std::max(FLAGS_caffe2_log_level, 3);
+  }
+}
+
 int listen_on(const std::string& host, int port) {
+  if (is_wildcard_address(host)) return -EINVAL;  // never every interface
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;

@@ -32,10 +32,24 @@ struct Rendezvous {
 // TORCH_CHECK message naming the address, the rank(s) and the remedy.
 Rendezvous rendezvous(const RendezvousOptions& options);
 
+// c10's log level to FATAL unless TORCH_CPP_LOG_LEVEL is set: c10d logs every store failure with
+// a C++ backtrace before it throws; the exception is reported once, in one line. Idempotent.
+void quiet_c10_logging();
+
 // A TCP socket bound to host:port (port 0: any free one) and listening, SO_REUSEADDR, close on
-// exec; or -errno (-EADDRNOTAVAIL also when `host` does not resolve). Stores take it over through
+// exec; or -errno (-EADDRNOTAVAIL also when `host` does not resolve, -EINVAL when it is a
+// wildcard address: see is_wildcard_address). Stores take it over through
 // TCPStoreOptions::masterListenFd, so they listen only there (see Note [Rendezvous handshake]).
 int listen_on(const std::string& host, int port);
+
+// True when `host` is a wildcard address ("0", "0.0.0.0", "::", "[::]", "", or a name that
+// resolves to one): listening there means every interface, which the rendezvous never does
+// (see Note [Rendezvous handshake]).
+bool is_wildcard_address(const std::string& host);
+// The one-sentence error for a wildcard address given as `what` ("--master-addr",
+// "MASTER_ADDR"), prefixed by `who` ("[fsdp-run]").
+std::string wildcard_address_error(const std::string& who, const std::string& what,
+                                   const std::string& host);
 
 // See Note [Naming a lost peer]: for the first non-loopback rank address of this job's roster
 // that appears in `error_text` (Gloo names the peer "[10.77.0.2]:41234"), "the peer 10.77.0.2
