@@ -489,6 +489,7 @@ int main(int argc, char** argv) {
                  "comma-separated layer names (PEFT matching), or all-linear")
       ->check(CLI::Validator(
           [](std::string& text) -> std::string {
+            if (auto why = fsdp::cli::detail::text_problem(text); !why.empty()) return why;
             return split_list(text).empty() ? "'" + text + "' names no module (give e.g. "
                                               "q_proj,v_proj or all-linear)"
                                             : std::string();

@@ -143,10 +143,11 @@ TEST(InputChecks, DeepSpeedConfigNumbersAreCheckedBeforeTheRun) {
 
 TEST(InputChecks, CheckpointDirAloneSavesAtTheEnd) {
   const fs::path ck = scratch() / "alone";
-  auto r = run_process(train({"--max-steps", "2", "--checkpoint-dir", ck.string()}));
+  // One step of an epoch of many: the save at the end of training, inside the epoch.
+  auto r = run_process(train({"--checkpoint-dir", ck.string()}));
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_TRUE(fs::exists(ck / "last")) << "--checkpoint-dir alone saved nothing";
-  EXPECT_TRUE(fs::exists(ck / "step-2")) << r.out;
+  EXPECT_TRUE(fs::exists(ck / "step-1")) << r.out;
 }
 
 TEST(InputChecks, CheckFlagsStartsNothing) {
