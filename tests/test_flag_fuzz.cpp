@@ -27,6 +27,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <future>
 #include <map>
 #include <set>
 #include <sstream>
@@ -237,8 +238,10 @@ struct Outcome {
 };
 
 // Runs the cases through `program --check-flags-batch`, in the scratch directory.
-std::vector<Outcome> run_batch(const Program& p, const std::vector<Case>& cases) {
-  const fs::path file = scratch() / "cases.txt";
+std::vector<Outcome> run_batch(const Program& p, const std::vector<Case>& cases, int first) {
+  const fs::path file = fs::temp_directory_path() /
+                        ("fsdp_flag_fuzz_cases_" + std::to_string(::getpid()) + "_" +
+                         std::to_string(first) + ".txt");
   {
     std::ofstream f(file, std::ios::binary);
     for (const Case& c : cases) {
@@ -248,10 +251,7 @@ std::vector<Outcome> run_batch(const Program& p, const std::vector<Case>& cases)
   }
   std::vector<std::string> argv = p.argv;
   argv.insert(argv.end(), {"--check-flags-batch", file.string()});
-  const fs::path here = fs::current_path();
-  fs::current_path(scratch());  // a relative path a case creates lands here
-  ProcResult r = run_process(argv, {}, 300);
-  fs::current_path(here);
+  ProcResult r = run_process(argv, {}, 300);  // in scratch(): see the test
   fs::remove(file);
   EXPECT_EQ(r.exit_code, 0) << join(argv) << ": " << r.err;
   std::vector<Outcome> out;
@@ -284,20 +284,22 @@ struct Tally {
   int cases = 0, refused = 0, accepted = 0;
 };
 
-void fuzz(const Program& p, const std::vector<Flag>& flags, Tally& tally) {
+// `first`: the index of the program's first case (the missing paths are numbered by it).
+Tally fuzz(const Program& p, const std::vector<Flag>& flags, int first) {
+  Tally tally;
   std::vector<Case> cases;
   for (const Flag& f : flags) {
     if (f.type == "FLAG") continue;  // no value to give
     if (f.positional() && f.sub == "-" && f.name == "command") continue;  // fsdp-run's program
     for (V v : kValues) {
-      const int index = tally.cases + static_cast<int>(cases.size());
+      const int index = first + static_cast<int>(cases.size());
       Case c{"", f, v, p.command_line(f, text_of(v, index))};
       c.what = join(p.argv) + " " + join(c.args);
       cases.push_back(std::move(c));
     }
   }
-  if (cases.empty()) return;
-  const std::vector<Outcome> outcomes = run_batch(p, cases);
+  if (cases.empty()) return tally;
+  const std::vector<Outcome> outcomes = run_batch(p, cases, first);
   for (size_t i = 0; i < outcomes.size() && i < cases.size(); ++i) {
     const Case& c = cases[i];
     const Outcome& o = outcomes[i];
@@ -316,6 +318,7 @@ void fuzz(const Program& p, const std::vector<Flag>& flags, Tally& tally) {
           << c.what << ": the error does not name " << c.flag.name << "\n" << o.err;
     }
   }
+  return tally;
 }
 
 // Nothing left behind: the scratch directory holds what it held, no missing path appeared.
@@ -340,12 +343,28 @@ TEST(FlagFuzz, EveryFlagOfEveryProgramRefusesHostileValuesCleanly) {
     while (std::getline(in, sub)) programs.push_back(fsdp_bench(sub));
   }
   int flag_count = 0;
+  const fs::path here = fs::current_path();
+  fs::current_path(scratch());  // a relative path a case creates lands here
+  // Two programs at a time (the suite runs on 2 cores); each batch is one process.
+  std::vector<std::future<Tally>> running;
+  int first = 0;
   for (const Program& p : programs) {
     const std::vector<Flag> flags = list_flags(p.argv);
     EXPECT_FALSE(flags.empty()) << join(p.argv);
     flag_count += static_cast<int>(flags.size());
-    fuzz(p, flags, tally);
+    if (running.size() == 2) {
+      const Tally t = running.front().get();
+      running.erase(running.begin());
+      tally.cases += t.cases, tally.refused += t.refused, tally.accepted += t.accepted;
+    }
+    running.push_back(std::async(std::launch::async, fuzz, p, flags, first));
+    first += static_cast<int>(flags.size() * kValues.size());
   }
+  for (auto& r : running) {
+    const Tally t = r.get();
+    tally.cases += t.cases, tally.refused += t.refused, tally.accepted += t.accepted;
+  }
+  fs::current_path(here);
   expect_nothing_left_behind();
   const double s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
