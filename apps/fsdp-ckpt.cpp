@@ -78,6 +78,7 @@ int main(int argc, char** argv) {
       ->check(fsdp::cli::one_of({"safetensors", "sharded"}));
   // A world beyond any launch (fsdp-run: 4096 ranks per node) would write that many shard files.
   conv->add_option("--world", world, "--to sharded: ranks to shard for")
+      ->check(fsdp::cli::at_least(1))
       ->check(fsdp::cli::between(1, 65536));
   conv->add_option("input", in, "checkpoint directory (full or sharded)")
       ->required()
