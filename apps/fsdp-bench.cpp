@@ -45,6 +45,10 @@ int main(int argc, char** argv) {
     return argc < 2 ? 2 : 0;
   }
   std::string name = argv[1];
+  if (name == "--list-subcommands") {  // hidden: the fuzz test's list (tests/test_flag_fuzz.cpp)
+    for (const auto& e : registry()) std::cout << e.name << "\n";
+    return 0;
+  }
   for (const auto& e : registry()) {
     if (e.name == name) {
       std::vector<std::string> args(argv + 2, argv + argc);

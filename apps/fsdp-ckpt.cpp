@@ -113,13 +113,20 @@ int main(int argc, char** argv) {
   bool as_json = false;
   int world = 0;
   auto* ins = app.add_subcommand("inspect", "tensors, shapes, dtypes, world size, step");
-  ins->add_option("path", path, "checkpoint directory or .safetensors file")->required();
+  ins->add_option("path", path, "checkpoint directory or .safetensors file")
+      ->required()
+      ->check(fsdp::cli::input_path());
   ins->add_flag("--json", as_json, "print JSON");
   auto* conv = app.add_subcommand("convert", "consolidate to one safetensors file, or reshard");
   conv->add_option("--to", to, "safetensors (one file of model weights) | sharded")
       ->check(fsdp::cli::one_of({"safetensors", "sharded"}));
-  conv->add_option("--world", world, "--to sharded: ranks to shard for")->check(fsdp::cli::at_least(1));
-  conv->add_option("input", in, "checkpoint directory (full or sharded)")->required();
+  // A world beyond any launch (fsdp-run: 4096 ranks per node) would write that many shard files.
+  conv->add_option("--world", world, "--to sharded: ranks to shard for")
+      ->check(fsdp::cli::at_least(1))
+      ->check(fsdp::cli::between(1, 65536));
+  conv->add_option("input", in, "checkpoint directory (full or sharded)")
+      ->required()
+      ->check(fsdp::cli::input_path());
   conv->add_option("output", out, "output .safetensors file (or directory for --to sharded)")
       ->required();
   std::string nvme_path;

@@ -90,6 +90,11 @@ struct Args {
   uint64_t seed() const { return static_cast<uint64_t>(common.trainer.seed); }
 };
 
+// The dtype names --bnb-4bit-compute-dtype and --base-dtype take (parse_dtype).
+const std::vector<std::string> kDtypeNames = {"bfloat16", "bf16", "float32", "fp32"};
+// --num-train-epochs at most this: epochs x steps per epoch must stay a count of steps.
+constexpr double kMaxEpochs = 1e6;
+
 std::vector<std::string> split_list(const std::string& s) {
   std::vector<std::string> out;
   std::stringstream ss(s);
@@ -459,15 +464,19 @@ int main(int argc, char** argv) {
   spec.summary_json_help = "write the run summary as JSON here";
   fsdp::app::CommonFlags flags(app, a.common, spec);
   app.option_defaults()->group("Model");
-  auto* o_dir = app.add_option("--model-dir", a.model_dir, "Hugging Face model folder (config.json, *.safetensors)");
+  auto* o_dir = app.add_option("--model-dir", a.model_dir, "Hugging Face model folder (config.json, *.safetensors)")
+                    ->check(fsdp::cli::input_dir());
   auto* o_preset = app.add_option("--preset", a.preset, "instead of --model-dir: a random model of this layout")
                        ->check(one_of(fsdp::llama_preset_names()));
   o_dir->excludes(o_preset);
-  app.add_option("--tokenizer-dir", a.tokenizer_dir, "folder with tokenizer.json (default: --model-dir)");
+  app.add_option("--tokenizer-dir", a.tokenizer_dir, "folder with tokenizer.json (default: --model-dir)")
+      ->check(fsdp::cli::input_dir());
   app.add_flag("--load-in-4bit,!--no-load-in-4bit", a.load_in_4bit, "NF4-quantize the base's linear layers (QLoRA)");
   app.add_flag("--bnb-4bit-use-double-quant,!--no-double-quant", a.double_quant, "8-bit absmaxes (double quantization)");
-  app.add_option("--bnb-4bit-compute-dtype", a.compute_dtype, "4-bit layers compute in: bfloat16 | float32");
-  app.add_option("--base-dtype", a.base_dtype, "dtype of the non-quantized base parameters: float32 | bfloat16");
+  app.add_option("--bnb-4bit-compute-dtype", a.compute_dtype, "4-bit layers compute in: bfloat16 | float32")
+      ->check(one_of(kDtypeNames));
+  app.add_option("--base-dtype", a.base_dtype, "dtype of the non-quantized base parameters: float32 | bfloat16")
+      ->check(one_of(kDtypeNames));
   app.add_option("--kbit-upcast", a.kbit_upcast,
                  "with --load-in-4bit, which non-quantized parameters become fp32: all (PEFT's "
                  "prepare_model_for_kbit_training) | norms | none (keep --base-dtype)")
@@ -477,16 +486,32 @@ int main(int argc, char** argv) {
   app.add_option("--lora-alpha", a.lora_alpha, "LoRA alpha (scaling = alpha / r)")->check(greater_than(0.0));
   app.add_option("--lora-dropout", a.lora_dropout, "dropout on the adapter input")->check(between(0.0, 0.99));
   app.add_option("--lora-target-modules", a.lora_target_modules,
-                 "comma-separated layer names (PEFT matching), or all-linear");
+                 "comma-separated layer names (PEFT matching), or all-linear")
+      ->check(CLI::Validator(
+          [](std::string& text) -> std::string {
+            if (auto why = fsdp::cli::detail::text_problem(text); !why.empty()) return why;
+            return split_list(text).empty() ? "'" + text + "' names no module (give e.g. "
+                                              "q_proj,v_proj or all-linear)"
+                                            : std::string();
+          },
+          "", std::string(fsdp::cli::kCheckPrefix) + "module_list"));
   app.option_defaults()->group("Data");
   app.add_option("--data", a.data, "a local .jsonl (one {\"text\": ...} per line) or text file "
-                 "(one example per paragraph), or synthetic");
+                 "(one example per paragraph), or synthetic")
+      ->check(CLI::Validator(
+          [](std::string& text) -> std::string {
+            std::string path = text;
+            return text == "synthetic" ? std::string() : fsdp::cli::input_file()(path);
+          },
+          "", std::string(fsdp::cli::kCheckPrefix) + "input_file"));
   app.add_option("--text-field", a.text_field, "JSONL field holding the text");
   app.add_option("--max-length", a.max_length, "tokens per example (longer ones are truncated)")
       ->check(at_least(int64_t{2}));
-  app.add_option("--synthetic-examples", a.synthetic_examples, "--data synthetic: number of random sequences");
+  app.add_option("--synthetic-examples", a.synthetic_examples, "--data synthetic: number of random sequences")
+      ->check(at_least(int64_t{1}));
   app.option_defaults()->group("TrainingArguments");
-  app.add_option("--output-dir", a.output_dir, "checkpoint-<step>/ and final/ adapters, CSV logs");
+  app.add_option("--output-dir", a.output_dir, "checkpoint-<step>/ and final/ adapters, CSV logs")
+      ->check(fsdp::cli::output_dir());
   app.add_option("--warmup-steps", a.warmup_steps, "linear warmup steps (then linear decay to 0)")
       ->check(at_least(int64_t{0}));
   app.add_option("--per-device-train-batch-size", a.per_device_train_batch_size, "examples per rank per micro-batch")
@@ -494,20 +519,28 @@ int main(int argc, char** argv) {
   app.add_option("--gradient-accumulation-steps", a.gradient_accumulation_steps, "micro-batches per optimizer step")
       ->check(at_least(int64_t{1}));
   app.add_option("--num-train-epochs", a.num_train_epochs, "epochs (ignored when --max-steps > 0)")
-      ->check(greater_than(0.0));
-  app.add_option("--max-steps", a.max_steps, "optimizer steps (-1: from --num-train-epochs)");
-  app.add_option("--learning-rate", a.learning_rate, "peak learning rate")->check(greater_than(0.0));
+      ->check(greater_than(0.0))
+      ->check(between(0.0, kMaxEpochs));
+  app.add_option("--max-steps", a.max_steps, "optimizer steps (-1: from --num-train-epochs)")
+      ->check(at_least(int64_t{-1}));
+  app.add_option("--learning-rate", a.learning_rate, "peak learning rate")
+      ->check(greater_than(0.0))
+      ->check(between(0.0, fsdp::app::kMaxLearningRate));
   app.add_option("--weight-decay", a.weight_decay, "AdamW weight decay")->check(at_least(0.0));
   app.add_option("--logging-steps", a.logging_steps, "log every N optimizer steps")->check(at_least(int64_t{1}));
   app.add_option("--save-steps", a.save_steps, "save the adapter every N optimizer steps (0: only at the end)")
       ->check(at_least(int64_t{0}));
-  app.add_option("--save-total-limit", a.save_total_limit, "keep the N newest checkpoint-<step> adapters (-1: all)");
+  app.add_option("--save-total-limit", a.save_total_limit, "keep the N newest checkpoint-<step> adapters (-1: all)")
+      ->check(at_least(int64_t{-1}));
   app.add_flag("--gradient-checkpointing,!--no-gradient-checkpointing", a.gradient_checkpointing,
                "recompute each decoder layer in backward");
   app.add_option("--optim", a.optim, "paged_adamw_8bit | adamw_8bit (bitsandbytes-exact 8-bit AdamW; "
                  "paged = same on CPU) | adamw_torch")
       ->check(one_of({"paged_adamw_8bit", "adamw_8bit", "adamw_torch"}));
-  if (auto code = fsdp::cli::parse(app, argc, argv, "fsdp-finetune")) return *code;
+  if (auto code = fsdp::cli::parse(app, argc, argv, "fsdp-finetune",
+                                   fsdp::cli::CheckFlags::kByTheProgram)) {
+    return *code;
+  }
   if (a.model_dir.empty() && a.preset.empty()) {
     std::cerr << "fsdp-finetune: error: pass --model-dir DIR (or --preset NAME)" << std::endl;
     return 2;
@@ -516,5 +549,15 @@ int main(int argc, char** argv) {
     std::cerr << "fsdp-finetune: error: " << why << std::endl;
     return 2;
   }
-  return fsdp::app::run_or_fail([&] { return a.common.dry_run ? dry_run(a) : run(a, flags); });
+  return fsdp::app::run_or_fail([&] {
+    if (fsdp::cli::check_only()) {
+      // What run() reads and builds before any work: the model's config, the load options,
+      // the strategy (which checks its options).
+      model_config(a);
+      load_options(a);
+      flags.make_strategy(fsdp::StrategyOptions{});
+      return 0;
+    }
+    return a.common.dry_run ? dry_run(a) : run(a, flags);
+  });
 }

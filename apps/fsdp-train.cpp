@@ -139,31 +139,22 @@ std::string loss_reference(const Args& a, int64_t vocab) {
   return ref.str();
 }
 
-int run(const Args& a, const CommonFlags& flags) {
-  const fsdp::TrainerOptions& in = a.common.trainer;
-  const uint64_t seed = static_cast<uint64_t>(in.seed);
-  fsdp::seed_everything(seed);
-  // Data first: a missing file fails once, here, before the other ranks are started.
-  const fsdp::app::Data data = fsdp::app::load_data(a.data, a.model.name, in, a.world());
-
-  fsdp::TrainerOptions t = in;
+// The Trainer's options: the strategy (which checks its options when it is built) and the
+// callbacks the flags ask for, after the summary's recorders. Starts nothing (--check-flags
+// builds them too).
+fsdp::TrainerOptions trainer_options(const Args& a, const CommonFlags& flags,
+                                     fsdp::app::RunRecorders* recorders) {
+  fsdp::TrainerOptions t = a.common.trainer;
   t.strategy = flags.make_strategy(flags.strategy_options(a.model.layer_types()));
-  const fsdp::app::RunRecorders recorders = fsdp::app::add_run_recorders(t);
+  *recorders = fsdp::app::add_run_recorders(t);
   if (!a.save_initial_weights.empty()) {
-    const fsdp::StrategyFamily family = flags.family();
-    TORCH_CHECK(family == fsdp::StrategyFamily::kSingle || family == fsdp::StrategyFamily::kDDP,
-                "[fsdp-train] --save-initial-weights needs whole parameters on rank 0 (strategy "
-                "single or ddp); --strategy ", a.common.strategy, " shards them");
     t.callbacks.push_back(std::make_shared<InitialWeightsWriter>(a.save_initial_weights));
   }
   const fsdp::ModelCheckpointOptions& c = a.checkpoint;
-  TORCH_CHECK(!c.dirpath.empty() || (c.every_n_train_steps == 0 && c.every_n_epochs == 0 &&
-                                     c.monitor.empty() && c.save_top_k == -1),
-              "[fsdp-train] --save-every-n-steps, --every-n-epochs, --monitor and --save-top-k "
-              "need --checkpoint-dir DIR (where the checkpoints go)");
-  if (!c.dirpath.empty() &&
-      (c.every_n_train_steps > 0 || c.every_n_epochs > 0 || !c.monitor.empty())) {
+  if (!c.dirpath.empty()) {
     // A ModelCheckpoint: DIR/step-<k>[-<monitor>=<value>] entries, DIR/last -> the newest.
+    // --checkpoint-dir alone saves as Lightning's ModelCheckpoint(dirpath=DIR) does: at the end
+    // of every epoch, and at the end of training (docs/fsdp-train.md, "Checkpoints").
     fsdp::ModelCheckpointOptions mc = c;
     mc.filename = "step-{step}";
     if (!c.monitor.empty()) mc.filename += "-" + c.monitor + "={" + c.monitor + "}";
@@ -173,6 +164,18 @@ int run(const Args& a, const CommonFlags& flags) {
     if (mc.every_n_epochs == 0) mc.every_n_epochs = -1;
     t.callbacks.push_back(std::make_shared<fsdp::ModelCheckpoint>(mc));
   }
+  return t;
+}
+
+int run(const Args& a, const CommonFlags& flags) {
+  const fsdp::TrainerOptions& in = a.common.trainer;
+  const uint64_t seed = static_cast<uint64_t>(in.seed);
+  fsdp::seed_everything(seed);
+  // Data first: a missing file fails once, here, before the other ranks are started.
+  const fsdp::app::Data data = fsdp::app::load_data(a.data, a.model.name, in, a.world());
+
+  fsdp::app::RunRecorders recorders;
+  const fsdp::TrainerOptions t = trainer_options(a, flags, &recorders);
   fsdp::Trainer trainer(t);  // devices > 1: the other ranks start here and run main() again
 
   fsdp::app::ModelSpec spec = a.model;
@@ -225,6 +228,24 @@ int run(const Args& a, const CommonFlags& flags) {
     fsdp::app::write_json(a.common.summary_json, j);
   }
   return 0;
+}
+
+// One sentence for a command line the flags' own checks let through, or "".
+std::string check_run(const Args& a, const CommonFlags& flags) {
+  if (!a.save_initial_weights.empty()) {
+    const fsdp::StrategyFamily family = flags.family();
+    if (family != fsdp::StrategyFamily::kSingle && family != fsdp::StrategyFamily::kDDP) {
+      return "--save-initial-weights needs whole parameters on rank 0 (strategy single or "
+             "ddp); --strategy " + a.common.strategy + " shards them";
+    }
+  }
+  const fsdp::ModelCheckpointOptions& c = a.checkpoint;
+  if (c.dirpath.empty() && (c.every_n_train_steps != 0 || c.every_n_epochs != 0 ||
+                            !c.monitor.empty() || c.save_top_k != -1)) {
+    return "--save-every-n-steps, --every-n-epochs, --monitor and --save-top-k need "
+           "--checkpoint-dir DIR (where the checkpoints go)";
+  }
+  return {};
 }
 
 // One sentence for a command line the flags' own checks let through, or "".
@@ -294,7 +315,8 @@ int main(int argc, char** argv) {
       ->check(at_least(0.0));
   app.add_option("--log-every", t.log_every_n_steps, "log_every_n_steps: CSV rows and non-terminal progress lines")
       ->check(at_least(int64_t{1}));
-  app.add_option("--default-root-dir", t.default_root_dir, "CSV logs go to DIR/version_N/metrics.csv");
+  app.add_option("--default-root-dir", t.default_root_dir, "CSV logs go to DIR/version_N/metrics.csv")
+      ->check(fsdp::cli::output_dir());
   app.option_defaults()->group("Model");
   const std::vector<std::string> models = [] {
     auto v = fsdp::demos::model_names();
@@ -318,7 +340,9 @@ int main(int argc, char** argv) {
   app.add_option("--optimizer", a.optimizer.name,
                  "adam | adamw | sgd | cpu_adam | cpu_adamw (fused CPU Adam / AdamW, fsdp::optim::CPUAdam)")
       ->check(one_of({"adam", "adamw", "sgd", "cpu_adam", "cpu_adamw"}));
-  app.add_option("--lr", a.optimizer.lr, "learning rate")->check(greater_than(0.0));
+  app.add_option("--lr", a.optimizer.lr, "learning rate")
+      ->check(greater_than(0.0))
+      ->check(between(0.0, fsdp::app::kMaxLearningRate));
   app.add_option("--weight-decay", a.optimizer.weight_decay, "weight decay")
       ->check(at_least(0.0));
   app.add_option("--adam-eps", a.optimizer.adam_eps,
@@ -338,16 +362,20 @@ int main(int argc, char** argv) {
   app.option_defaults()->group("Output");
   app.add_option("--save-initial-weights", a.save_initial_weights,
                  "rank 0 writes the parameters training starts from to FILE (safetensors, FQN "
-                 "keys; strategy single or ddp), e.g. for a Python peer's --weights");
+                 "keys; strategy single or ddp), e.g. for a Python peer's --weights")
+      ->check(fsdp::cli::output_file());
   app.add_option("--save-batches", a.save_batches,
                  "write the micro-batches of the first --max-steps steps, every rank's, to this "
-                 "safetensors file (for bench/peers/*.py) and exit without training");
+                 "safetensors file (for bench/peers/*.py) and exit without training")
+      ->check(fsdp::cli::output_file());
   // Checkpoints
   fsdp::ModelCheckpointOptions& c = a.checkpoint;
   app.option_defaults()->group("Checkpoints");
   app.add_option("--checkpoint-dir", c.dirpath,
                  "save DIR/step-<k> every --save-every-n-steps steps (or --every-n-epochs "
-                 "epochs), and DIR/last -> the newest");
+                 "epochs; alone: every epoch and at the end of training), and DIR/last -> the "
+                 "newest")
+      ->check(fsdp::cli::output_dir());
   app.add_option("--save-every-n-steps", c.every_n_train_steps, "checkpoint period in optimizer steps (0: off)")
       ->check(at_least(int64_t{0}));
   app.add_option("--state-dict-type", t.state_dict_type, "checkpoint format: full | sharded")
@@ -357,7 +385,8 @@ int main(int argc, char** argv) {
                  "--save-every-n-steps: 1)")
       ->check(at_least(int64_t{0}));
   app.add_option("--monitor", c.monitor,
-                 "rank checkpoints by this logged metric (train_loss, val_loss) for --save-top-k");
+                 "rank checkpoints by this logged metric for --save-top-k")
+      ->check(one_of(fsdp::app::LanguageModel::metric_names()));
   app.add_option("--mode", c.mode, "min | max: which --monitor values are better")
       ->check(one_of({"min", "max"}));
   app.add_option("--save-top-k", c.save_top_k,
@@ -367,7 +396,10 @@ int main(int argc, char** argv) {
   app.add_option("--ckpt-path", a.ckpt_path,
                  "resume from this checkpoint (e.g. DIR/last); --max-steps counts from the start");
 
-  if (auto code = fsdp::cli::parse(app, argc, argv, "fsdp-train")) return *code;
+  if (auto code = fsdp::cli::parse(app, argc, argv, "fsdp-train",
+                                   fsdp::cli::CheckFlags::kByTheProgram)) {
+    return *code;
+  }
 
   // train_micro_batch_size_per_gpu is --batch-size (per rank); both given must agree.
   try {
@@ -384,7 +416,7 @@ int main(int argc, char** argv) {
     std::cerr << "fsdp-train: error: " << e.what_without_backtrace() << std::endl;
     return 2;
   }
-  for (const std::string& why : {check_model(a, custom_flags), flags.check()}) {
+  for (const std::string& why : {check_model(a, custom_flags), flags.check(), check_run(a, flags)}) {
     if (why.empty()) continue;
     std::cerr << "fsdp-train: error: " << why << std::endl;
     return 2;
@@ -395,6 +427,11 @@ int main(int argc, char** argv) {
               << std::endl;
   }
   return fsdp::app::run_or_fail([&] {
+    if (fsdp::cli::check_only()) {
+      fsdp::app::RunRecorders unused;
+      trainer_options(a, flags, &unused);  // throws for what the strategy or a callback refuses
+      return 0;
+    }
     if (a.common.dry_run) return dry_run(a, flags);
     if (!a.save_batches.empty()) {
       fsdp::app::save_batches(a.save_batches, a.data, a.model.name, t, a.world());

@@ -18,6 +18,7 @@
 // Step time = median of the timed steps (the warm-up steps allocate the state). Ratios are
 // step-time ratios measured in this run: speedup = other / cpu_adam(w). Prints JSON on stdout,
 // a markdown table on stderr. The machine's load average is recorded at start and end.
+#include "../apps/cli.h"
 #include "bench.h"
 #include "runs.h"
 
@@ -127,13 +128,14 @@ json ratio(double num, double den) { return den > 0 && num > 0 ? json(num / den)
 int run_cpu_adam(const std::vector<std::string>& args) {
   Options o;
   CLI::App app{"fsdp-bench cpu_adam"};
-  app.add_option("--numel", o.numel, "parameters stepped (all tensors)")->check(CLI::PositiveNumber);
+  app.add_option("--numel", o.numel, "parameters stepped (all tensors)")
+      ->check(fsdp::cli::at_least(int64_t{1}));
   app.add_option("--tensor-numel", o.tensor_numel, "elements per parameter tensor")
-      ->check(CLI::PositiveNumber);
+      ->check(fsdp::cli::at_least(int64_t{1}));
   app.add_option("--threads", o.threads, "comma-separated intra-op thread counts");
-  app.add_option("--steps", o.steps, "timed steps")->check(CLI::PositiveNumber);
+  app.add_option("--steps", o.steps, "timed steps")->check(fsdp::cli::at_least(1));
   app.add_option("--warmup", o.warmup, "untimed steps first (they allocate the state)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(fsdp::cli::at_least(0));
   app.add_flag("!--no-deepspeed", o.deepspeed, "skip DeepSpeedCPUAdam (bench/peers)");
   app.add_option("--python", o.python, "interpreter with torch and deepspeed (CMake's FSDP_PYTHON)");
   if (auto status = fsdp::bench::parse_args(app, "cpu_adam", args)) return *status;

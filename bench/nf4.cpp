@@ -16,6 +16,7 @@
 // A QLoRA step dequantizes every layer three times (forward, recomputing forward, backward).
 // The two kernels' outputs are compared bit for bit. Prints JSON on stdout, a markdown table on
 // stderr; the machine's load average at start and end.
+#include "../apps/cli.h"
 #include "bench.h"
 
 #include <fsdp/llama.h>
@@ -61,11 +62,11 @@ int run_nf4(const std::vector<std::string>& args) {
   std::string preset = "llama-1b", threads_text = "1,2", dtype_name = "bfloat16";
   int reps = 5;
   app.add_option("--preset", preset, "Llama layout whose decoder layer is dequantized")
-      ->check(CLI::IsMember(fsdp::llama_preset_names()));
+      ->check(fsdp::cli::one_of(fsdp::llama_preset_names()));
   app.add_option("--threads", threads_text, "comma-separated intra-op thread counts");
-  app.add_option("--reps", reps, "timed repetitions (median)")->check(CLI::PositiveNumber);
+  app.add_option("--reps", reps, "timed repetitions (median)")->check(fsdp::cli::at_least(1));
   app.add_option("--dtype", dtype_name, "output dtype: bfloat16 | float32")
-      ->check(CLI::IsMember({"bfloat16", "float32"}));
+      ->check(fsdp::cli::one_of({"bfloat16", "float32"}));
   if (auto status = fsdp::bench::parse_args(app, "nf4", args)) return *status;
   const at::ScalarType dtype = dtype_name == "bfloat16" ? at::kBFloat16 : at::kFloat;
   // As in training: the tracking allocator's block cache hands the previous repetition's output

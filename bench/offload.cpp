@@ -24,6 +24,7 @@
 //               ratio to RAM, tracked peak and peak RSS per rank, seconds per step blocked on
 //               the disk, and the largest relative loss difference to the RAM run
 // Prints JSON on stdout and the load average at start and end (the numbers depend on it).
+#include "../apps/cli.h"
 #include "bench.h"
 #include "runs.h"
 
@@ -237,10 +238,10 @@ int run_offload(const std::vector<std::string>& args) {
                  "also compare fsdp-train deepspeed_stage_3 at world 2 (MPI) on this model: in "
                  "RAM, optimizer state on disk, parameters + optimizer state on disk");
   app.add_option("--stage3-steps", o.stage3_steps, "optimizer steps of each stage-3 run")
-      ->check(CLI::Range(2, 1000));
+      ->check(fsdp::cli::between(2, 1000));
   app.add_option("--stage3-params-buffer-count", o.stage3_params_buffer_count,
                  "parameter buffers of the parameters-on-disk run")
-      ->check(CLI::Range(1, 64));
+      ->check(fsdp::cli::between(1, 64));
   app.add_flag("--only-stage3", o.only_stage3, "run the stage-3 comparison only");
   if (auto code = fsdp::bench::parse_args(app, "offload", args)) return *code;
 

@@ -6,6 +6,7 @@
 // the Trainer launches run this same command line and install it too. Rank 0 writes the summary
 // to --summary: losses, step end times, and per rank the training peak of tensor bytes and the
 // lifetime peak RSS (the fields `fsdp-train --summary-json` has under the same names).
+#include "../apps/cli.h"
 #include "bench.h"
 #include "demo_lm.h"
 
@@ -42,7 +43,7 @@ int run_overlap_run(const std::vector<std::string>& args) {
   app.add_option("--lr", lr, "AdamW's learning rate")->capture_default_str();
   app.add_option("--seed", seed)->capture_default_str();
   app.add_option("--backend", backend, "auto | gloo | mpi")
-      ->check(CLI::IsMember({"auto", "gloo", "mpi"}))
+      ->check(fsdp::cli::one_of({"auto", "gloo", "mpi"}))
       ->capture_default_str();
   app.add_flag("--forward-prefetch", forward_prefetch, "all-gather the next unit during forward");
   const std::map<std::string, BenchCollectives> modes = {{"real", BenchCollectives::kReal},

@@ -14,6 +14,7 @@
 //                       its own process and installs the collectives' mode as an injected hook.
 // Step times are 1 / it/s after the first step (runs.h it_per_s); faults and CPU seconds are
 // getrusage over the same steps, averaged over ranks (fsdp-train --summary-json).
+#include "../apps/cli.h"
 #include "bench.h"
 #include "runs.h"
 
@@ -51,10 +52,10 @@ void add_common(CLI::App& app, Common& c) {
   app.add_option("--devices", c.run.devices, "ranks")->capture_default_str();
   app.add_option("--batch-size", c.run.batch_size, "per rank")->capture_default_str();
   app.add_option("--steps", c.run.steps, "optimizer steps per run, the first one not timed")
-      ->check(CLI::Range(3, 100000))
+      ->check(fsdp::cli::between(int64_t{3}, int64_t{100000}))
       ->capture_default_str();
   app.add_option("--backend", c.backend, "auto | gloo | mpi")
-      ->check(CLI::IsMember({"auto", "gloo", "mpi"}))
+      ->check(fsdp::cli::one_of({"auto", "gloo", "mpi"}))
       ->capture_default_str();
   app.add_option("--fsdp-train", c.fsdp_train,
                  "path of fsdp-train, for faults (default: beside fsdp-bench)");

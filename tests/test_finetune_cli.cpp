@@ -159,15 +159,17 @@ TEST(FinetuneCli, DryRunOfTheRecipes8BLayout) {
 }
 
 TEST(FinetuneCli, BadFlagsAreOneLineErrors) {
+  // --data synthetic: a file given to --data must exist (checked at parse), and the flag under
+  // test is the point here.
   auto r = run_process({fsdp::testing::bin_path("fsdp-finetune"), "--preset", "llama-tiny",
-                        "--optim", "sgd", "--data", "x"});
+                        "--optim", "sgd", "--data", "synthetic"});
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.err.find("--optim"), std::string::npos) << r.err;
   auto u = run_process({fsdp::testing::bin_path("fsdp-finetune"), "--preset", "llama-tiny",
-                        "--kbit-upcast", "half", "--data", "x"});
+                        "--kbit-upcast", "half", "--data", "synthetic"});
   EXPECT_EQ(u.exit_code, 2);
   EXPECT_NE(u.err.find("--kbit-upcast"), std::string::npos) << u.err;
-  auto m = run_process({fsdp::testing::bin_path("fsdp-finetune"), "--data", "x"});
+  auto m = run_process({fsdp::testing::bin_path("fsdp-finetune"), "--data", "synthetic"});
   EXPECT_EQ(m.exit_code, 2);
   EXPECT_NE(m.err.find("--model-dir"), std::string::npos) << m.err;
 }

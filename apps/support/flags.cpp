@@ -4,6 +4,7 @@
 #include "../cli.h"
 
 #include <algorithm>
+#include <cmath>
 #include <sstream>
 
 namespace fsdp::app {
@@ -36,6 +37,42 @@ CLI::Validator parsed_by(Enum (*parse)(const std::string&), const std::string& n
         }
       },
       name, fsdp::cli::kCheckPrefix + name);
+}
+
+// An element count kept as a double (users write 1e8): a whole number in [min, 2^53], the
+// range DeepSpeedOptions accepts (src/common/limits.h), so that the conversion to an integer
+// count is exact (1.2e19 would wrap to a negative size per rank).
+CLI::Validator elements(double min) {
+  constexpr double kMaxExactInteger = 9007199254740992.0;  // 2^53
+  return CLI::Validator(
+      [min](std::string& text) -> std::string {
+        double v = 0;
+        if (std::string why = fsdp::cli::detail::parse_as<double>(text, v); !why.empty()) {
+          return why;
+        }
+        if (v != std::floor(v)) return "'" + text + "' is not a whole number of elements";
+        if (v < min || v > kMaxExactInteger) {
+          return "must be between " + fsdp::cli::detail::show(min) + " and 2^53 (" +
+                 std::to_string(static_cast<int64_t>(kMaxExactInteger)) + ") elements";
+        }
+        return {};
+      },
+      "", std::string(fsdp::cli::kCheckPrefix) + "elements");
+}
+
+// --deepspeed-config: the JSON object itself, or an existing file (parsed after the command
+// line, by parse_deepspeed_config).
+CLI::Validator deepspeed_config_text() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        const size_t first = text.find_first_not_of(" \t\r\n");
+        if (first != std::string::npos && text[first] == '{') {
+          return fsdp::cli::detail::text_problem(text);
+        }
+        std::string path = text;
+        return fsdp::cli::input_file()(path);
+      },
+      "", std::string(fsdp::cli::kCheckPrefix) + "input_file");
 }
 
 std::vector<std::string> with_none(std::vector<std::string> names) {
@@ -117,7 +154,9 @@ CommonFlags::CommonFlags(CLI::App& app, CommonArgs& a, CommonFlagsSpec spec)
                         "disable the progress bar")
       ->group(trainer);
   app.add_flag("--dry-run", a_.dry_run, spec_.dry_run_help)->group("Output");
-  app.add_option("--summary-json", a_.summary_json, spec_.summary_json_help)->group("Output");
+  app.add_option("--summary-json", a_.summary_json, spec_.summary_json_help)
+      ->check(fsdp::cli::output_file())
+      ->group("Output");
 
   if (!spec_.family_flags) return;
   if (offers(StrategyFamily::kFSDP)) add_fsdp_flags(app);
@@ -229,7 +268,8 @@ void CommonFlags::add_deepspeed_flags(CLI::App& app) {
                      "DeepSpeed JSON config (with --strategy auto: deepspeed); replaces the "
                      "strategy's defaults; its bf16, gradient_clipping, "
                      "gradient_accumulation_steps, train_micro_batch_size_per_gpu, "
-                     "optimizer and scheduler apply to the run"),
+                     "optimizer and scheduler apply to the run")
+          ->check(deepspeed_config_text()),
       app.add_option("--stage3-param-persistence-threshold", a_.persistence_threshold,
                      "stage 3: parameters of at most this many elements stay whole "
                      "(default 1e5); 0 shards every parameter and builds the model sharded "
@@ -256,7 +296,8 @@ void CommonFlags::add_offload_flags(CLI::App& app) {
           ->check(one_of({"cpu", "nvme"})),
       app.add_option("--nvme-path", a_.nvme_path,
                      "the disk tier's directory (swap files go to NVME_PATH/<job>/rank<r>/, "
-                     "removed on exit)"),
+                     "removed on exit)")
+          ->check(fsdp::cli::output_dir()),
       app.add_option("--params-buffer-count", a_.params_buffer_count,
                      "parameters on disk: buffers for reading units ahead and writing them "
                      "back (offload_param.buffer_count, default 5)")
@@ -264,14 +305,15 @@ void CommonFlags::add_offload_flags(CLI::App& app) {
       app.add_option("--params-buffer-size", a_.params_buffer_size,
                      "parameters on disk: elements per buffer; a unit's shard larger than "
                      "this is refused at setup (offload_param.buffer_size, default 1e8)")
-          ->check(greater_than(0.0)),
+          ->check(elements(1)),
       app.add_option("--max-in-cpu", a_.max_in_cpu,
                      "parameters on disk: elements of the first units' shards kept in RAM "
                      "(offload_param.max_in_cpu, default 1e9)")
-          ->check(at_least(0.0)),
+          ->check(elements(0)),
       app.add_option("--sub-group-size", a_.sub_group_size,
                      "elements of optimizer state stepped (and, on disk, streamed) at a "
-                     "time"),
+                     "time")
+          ->check(elements(1)),
       app.add_option("--aio-block-size", aio.block_size, "disk tier: bytes per I/O request")
           ->check(at_least(int64_t{4096})),
       app.add_option("--aio-queue-depth", aio.queue_depth, "disk tier: I/O requests in flight")

@@ -21,6 +21,10 @@
 
 namespace fsdp::app {
 
+// The largest learning rate the programs accept (--lr, --learning-rate), the DeepSpeed config's
+// bound too (src/common/limits.h): beyond it training only produces inf and nan.
+constexpr double kMaxLearningRate = 1e3;
+
 // What the shared flags set. The DeepSpeed flags keep "not given" values (0, -1, "") where the
 // strategy's own default (or a --deepspeed-config) applies.
 struct CommonArgs {

@@ -54,11 +54,11 @@ void LanguageModel::configure_model() {
 }
 
 at::Tensor LanguageModel::training_step(const Batch& batch, int64_t) {
-  return logged_loss(batch, "train_loss", /*prog_bar=*/false);
+  return logged_loss(batch, kTrainLoss, /*prog_bar=*/false);
 }
 
 at::Tensor LanguageModel::validation_step(const Batch& batch, int64_t) {
-  return logged_loss(batch, "val_loss", /*prog_bar=*/true);
+  return logged_loss(batch, kValLoss, /*prog_bar=*/true);
 }
 
 at::Tensor LanguageModel::test_step(const Batch& batch, int64_t) {

@@ -7,6 +7,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace fsdp::app {
 
@@ -46,6 +47,10 @@ class LanguageModel : public LightningModule {
   at::Tensor validation_step(const Batch& batch, int64_t) override;
   at::Tensor test_step(const Batch& batch, int64_t) override;
   OptimizerConfig configure_optimizers() override;
+  // The metrics training and validation log (what fsdp-train's --monitor may name).
+  static std::vector<std::string> metric_names() { return {kTrainLoss, kValLoss}; }
+  static constexpr const char* kTrainLoss = "train_loss";
+  static constexpr const char* kValLoss = "val_loss";
 
  private:
   // nll_loss of the batch, logged as `name` (the global mean over ranks).

@@ -150,12 +150,15 @@ AioEngine::AioEngine(AioOptions options) : options_(options) {
   TORCH_CHECK(options_.block_size >= kAioAlignment && options_.block_size % kAioAlignment == 0,
               "[nvme] aio.block_size must be a positive multiple of ", kAioAlignment,
               " bytes (O_DIRECT alignment), got ", options_.block_size);
-  TORCH_CHECK(options_.block_size <= (int64_t{1} << 30), "[nvme] aio.block_size must be at "
+  TORCH_CHECK(options_.block_size <= kAioMaxBlockSize, "[nvme] aio.block_size must be at "
               "most 1 GiB per request, got ", options_.block_size);
-  TORCH_CHECK(options_.queue_depth >= 1 && options_.queue_depth <= 4096,
-              "[nvme] aio.queue_depth must be in [1, 4096], got ", options_.queue_depth);
-  TORCH_CHECK(options_.intra_op_parallelism >= 1 && options_.intra_op_parallelism <= 64,
-              "[nvme] aio.intra_op_parallelism must be in [1, 64], got ",
+  TORCH_CHECK(options_.queue_depth >= 1 && options_.queue_depth <= kAioMaxQueueDepth,
+              "[nvme] aio.queue_depth must be in [1, ", kAioMaxQueueDepth, "], got ",
+              options_.queue_depth);
+  TORCH_CHECK(options_.intra_op_parallelism >= 1 &&
+                  options_.intra_op_parallelism <= kAioMaxIntraOpParallelism,
+              "[nvme] aio.intra_op_parallelism must be in [1, ", kAioMaxIntraOpParallelism,
+              "], got ",
               options_.intra_op_parallelism);
   for (int i = 0; i < options_.intra_op_parallelism; ++i) {
     workers_.push_back(std::make_unique<Worker>(options_));

@@ -23,6 +23,11 @@ namespace fsdp::detail {
 // block size of the device (512 B or 4 KiB); 4 KiB covers both.
 constexpr int64_t kAioAlignment = 4096;
 inline int64_t align_up(int64_t n, int64_t a = kAioAlignment) { return (n + a - 1) / a * a; }
+// The bounds of AioOptions the engine accepts (checked again by the DeepSpeed config parser, so
+// a bad "aio" block is refused when the config is read rather than when the disk tier starts).
+constexpr int64_t kAioMaxBlockSize = int64_t{1} << 30;  // bytes per request
+constexpr int kAioMaxQueueDepth = 4096;                 // requests in flight per ring
+constexpr int kAioMaxIntraOpParallelism = 64;           // rings (threads)
 
 // One transfer in flight: done when every piece has completed; the first failure is kept.
 struct AioRequest {

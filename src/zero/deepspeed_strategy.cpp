@@ -4,6 +4,7 @@
 // persistent parameters the engine ignores. See docs/design.md "ZeRO stages".
 #include "fsdp/deepspeed.h"
 
+#include "common/limits.h"
 #include "common/settings.h"
 #include "fsdp/activation_checkpointing.h"
 #include "fsdp/comm.h"
@@ -58,6 +59,15 @@ bool optimizer_on_disk(const DeepSpeedOptions& o) {
 // or remote_device "nvme" (Lightning's deepspeed_stage_3_offload_nvme sets both).
 bool params_on_disk(const DeepSpeedOptions& o) {
   return (o.offload_parameters && o.offload_params_device == "nvme") || o.remote_device == "nvme";
+}
+
+// An element count DeepSpeedOptions keeps as a double: finite, whole, in [min, 2^53] (converted
+// to int64_t exactly; see detail::kMaxExactInteger).
+void check_elements(const char* name, double v, double min) {
+  TORCH_CHECK(std::isfinite(v) && v >= min && v <= static_cast<double>(detail::kMaxExactInteger) &&
+                  v == std::floor(v),
+              "[deepspeed] ", name, " must be a whole number of elements from ", min, " to ",
+              detail::kMaxExactInteger, ", got ", v);
 }
 
 // The OffloadPolicy of these options (stage 3's engine is built with it; stages 1 and 2 use its
@@ -144,19 +154,15 @@ void check_options(const DeepSpeedOptions& o) {
                 "--offload-optimizer-device nvme), or strategy 'deepspeed_stage_3_offload_nvme'");
     TORCH_CHECK(o.params_buffer_count >= 1, "[deepspeed] offload_param buffer_count must be >= 1, "
                 "got ", o.params_buffer_count);
-    TORCH_CHECK(o.params_buffer_size >= 1, "[deepspeed] offload_param buffer_size must be >= 1 "
-                "element, got ", o.params_buffer_size);
-    TORCH_CHECK(o.max_in_cpu >= 0, "[deepspeed] offload_param max_in_cpu must be >= 0 "
-                "elements, got ", o.max_in_cpu);
+    check_elements("offload_param buffer_size", o.params_buffer_size, 1);
+    check_elements("offload_param max_in_cpu", o.max_in_cpu, 0);
   }
-  TORCH_CHECK(o.sub_group_size >= 1, "[deepspeed] sub_group_size must be >= 1 element, got ",
-              o.sub_group_size);
+  check_elements("sub_group_size", o.sub_group_size, 1);
   TORCH_CHECK(!o.offload_parameters || o.stage == 3, "[deepspeed] offload_parameters needs "
               "stage 3 (DeepSpeed offloads parameters only when they are partitioned); got stage ",
               o.stage, ". HINT: use offload_optimizer for stages 1 and 2");
-  TORCH_CHECK(o.reduce_bucket_size >= 1 && o.allgather_bucket_size >= 1,
-              "[deepspeed] reduce_bucket_size and allgather_bucket_size must be >= 1 element "
-              "(got ", o.reduce_bucket_size, ", ", o.allgather_bucket_size, ")");
+  check_elements("reduce_bucket_size", o.reduce_bucket_size, 1);
+  check_elements("allgather_bucket_size", o.allgather_bucket_size, 1);
   TORCH_CHECK(o.stage3_prefetch_bucket_size >= 0 && o.stage3_max_live_parameters >= 1,
               "[deepspeed] stage3_prefetch_bucket_size must be >= 0 and "
               "stage3_max_live_parameters >= 1 (elements), got ", o.stage3_prefetch_bucket_size,

@@ -1,11 +1,14 @@
 // DeepSpeed names and options: Lightning's registry names, the option checks, and the DeepSpeed
 // JSON config parser (one place for each: docs/design.md, "Decisions").
+#include "common/limits.h"
 #include "common/text.h"
+#include "offload/aio.h"
 #include "fsdp/deepspeed.h"
 
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
+#include <cmath>
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
@@ -68,6 +71,18 @@ const std::vector<std::string> kSchedulerParamKeys = {"warmup_min_lr", "warmup_m
                                                       "total_num_steps", "last_batch_iteration"};
 const std::vector<std::string> kActivationKeys = {"partition_activations", "cpu_checkpointing"};
 
+// Note [DeepSpeed config numbers]
+// Every number is checked against its range as written, before it is converted: an integer key
+// takes a JSON integer or a whole-valued float (2e8) in [lo, hi], never a value that would wrap
+// in a narrower type ("stage": 4294967298 is not stage 2); a real-valued key takes a finite
+// number in its range (a learning rate of 1e308 is refused, not trained to a nan loss). The
+// error names the key, the range and the value. Element counts are at most 2^53
+// (detail::kMaxExactInteger), exact in the doubles DeepSpeedOptions keeps them in.
+constexpr int64_t kMax = detail::kMaxExactInteger;
+constexpr double kMaxNumber = 1e15;            // weight_decay, gradient_clipping
+constexpr int64_t kMaxBuffers = 1 << 20;       // offload buffer_count
+constexpr int64_t kMaxAccumulation = 1 << 30;  // gradient_accumulation_steps, micro-batch size
+
 class ConfigReader {
  public:
   explicit ConfigReader(std::string source) : source_(std::move(source)) {}
@@ -89,21 +104,47 @@ class ConfigReader {
     expect(v.is_boolean(), path(where, key), "a boolean", v);
     return v.get<bool>();
   }
-  double number(const json& obj, const std::string& where, const char* key, double fallback) {
+  // A finite number in [lo, hi] (above lo, not equal, when `above`). See Note [DeepSpeed config
+  // numbers].
+  double number(const json& obj, const std::string& where, const char* key, double fallback,
+                double lo, double hi, bool above = false) {
     if (!obj.contains(key)) return fallback;
     const json& v = obj.at(key);
-    expect(v.is_number(), path(where, key), "a number", v);
-    return v.get<double>();
+    const std::string range = (above ? "a number above " + show(lo) + " and at most "
+                                     : "a number from " + show(lo) + " to ") + show(hi);
+    expect(v.is_number(), path(where, key), range, v);
+    const double d = v.get<double>();
+    expect(std::isfinite(d) && (above ? d > lo : d >= lo) && d <= hi, path(where, key), range, v);
+    return d;
   }
-  int64_t integer(const json& obj, const std::string& where, const char* key, int64_t fallback) {
+  // A whole number in [lo, hi]: a JSON integer, or a whole-valued float (2e8 is written as a
+  // float in most configs). The range is checked on the value as written, before any
+  // conversion, so nothing wraps. See Note [DeepSpeed config numbers].
+  int64_t integer(const json& obj, const std::string& where, const char* key, int64_t fallback,
+                  int64_t lo, int64_t hi) {
     if (!obj.contains(key)) return fallback;
     const json& v = obj.at(key);
-    // 2e8 is written as a float in most configs: accept whole-valued floats.
-    expect(v.is_number_integer() ||
-               (v.is_number_float() && v.get<double>() == static_cast<double>(
-                                                             static_cast<int64_t>(v.get<double>()))),
-           path(where, key), "an integer", v);
-    return v.is_number_integer() ? v.get<int64_t>() : static_cast<int64_t>(v.get<double>());
+    TORCH_INTERNAL_ASSERT(lo <= hi && hi <= detail::kMaxExactInteger &&
+                          lo >= -detail::kMaxExactInteger);
+    const std::string range = "an integer from " + show(lo) + " to " + show(hi);
+    expect(v.is_number(), path(where, key), range, v);
+    bool ok = false;
+    int64_t out = 0;
+    if (v.is_number_unsigned()) {
+      const uint64_t u = v.get<uint64_t>();
+      ok = u <= static_cast<uint64_t>(hi) && (lo <= 0 || u >= static_cast<uint64_t>(lo));
+      out = ok ? static_cast<int64_t>(u) : 0;
+    } else if (v.is_number_integer()) {
+      out = v.get<int64_t>();
+      ok = out >= lo && out <= hi;
+    } else {
+      const double d = v.get<double>();
+      ok = std::isfinite(d) && d == std::floor(d) && d >= static_cast<double>(lo) &&
+           d <= static_cast<double>(hi);
+      out = ok ? static_cast<int64_t>(d) : 0;
+    }
+    expect(ok, path(where, key), range, v);
+    return out;
   }
   std::string string(const json& obj, const std::string& where, const char* key,
                      const std::string& fallback) {
@@ -118,10 +159,16 @@ class ConfigReader {
     expect(v.is_object(), path(where, key), "an object", v);
     return &v;
   }
-  void expect(bool ok, const std::string& key, const char* type, const json& value) {
+  void expect(bool ok, const std::string& key, const std::string& type, const json& value) {
     TORCH_CHECK(ok, "[deepspeed config] ", source_, ": '", key, "' must be ", type, ", got ",
                 value.dump());
   }
+  static std::string show(double v) {
+    std::ostringstream out;
+    out << v;
+    return out.str();
+  }
+  static std::string show(int64_t v) { return std::to_string(v); }
   static std::string path(const std::string& where, const std::string& key) {
     return where.empty() ? key : where + "." + key;
   }
@@ -146,6 +193,10 @@ json load_config_json(const std::string& path_or_json, std::string* source) {
     ss << in.rdbuf();
     text = ss.str();
   }
+  // The JSON reader stops at a NUL byte: whatever follows it would be ignored unread.
+  const size_t nul = text.find('\0');
+  TORCH_CHECK(nul == std::string::npos, "[deepspeed config] ", *source, " holds a NUL byte at "
+              "offset ", nul, ": a DeepSpeed config is JSON text");
   json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
   TORCH_CHECK(!j.is_discarded(), "[deepspeed config] ", *source, " is not valid JSON");
   TORCH_CHECK(j.is_object(), "[deepspeed config] ", *source, " must be a JSON object");
@@ -175,10 +226,14 @@ AioOptions read_aio(ConfigReader& r, const json& j) {
   const json* aio = r.object(j, "", "aio");
   if (!aio) return a;
   r.check_keys(*aio, "aio", kAioKeys);
-  a.block_size = r.integer(*aio, "aio", "block_size", a.block_size);
-  a.queue_depth = static_cast<int>(r.integer(*aio, "aio", "queue_depth", a.queue_depth));
-  a.intra_op_parallelism =
-      static_cast<int>(r.integer(*aio, "aio", "intra_op_parallelism", a.intra_op_parallelism));
+  a.block_size = r.integer(*aio, "aio", "block_size", a.block_size, detail::kAioAlignment,
+                           detail::kAioMaxBlockSize);
+  // In range of int: the bounds are the engine's (src/offload/aio.h).
+  a.queue_depth = static_cast<int>(
+      r.integer(*aio, "aio", "queue_depth", a.queue_depth, 1, detail::kAioMaxQueueDepth));
+  a.intra_op_parallelism = static_cast<int>(r.integer(*aio, "aio", "intra_op_parallelism",
+                                                      a.intra_op_parallelism, 1,
+                                                      detail::kAioMaxIntraOpParallelism));
   a.single_submit = r.boolean(*aio, "aio", "single_submit", a.single_submit);
   a.overlap_events = r.boolean(*aio, "aio", "overlap_events", a.overlap_events);
   a.use_gds = r.boolean(*aio, "aio", "use_gds", a.use_gds);
@@ -206,32 +261,40 @@ DeepSpeedOptions parse_deepspeed_config(const std::string& path_or_json,
   if (const json* z = r.object(j, "", "zero_optimization")) {
     r.check_keys(*z, "zero_optimization", kZeroKeys);
     const std::string w = "zero_optimization";
-    o.stage = static_cast<int>(r.integer(*z, w, "stage", 0));
+    o.stage = static_cast<int>(r.integer(*z, w, "stage", 0, 0, 3));  // 0: refused with a hint
     o.contiguous_gradients = r.boolean(*z, w, "contiguous_gradients", true);
     // DeepSpeed: overlap_comm None -> true only for stage 3.
     o.overlap_comm = r.boolean(*z, w, "overlap_comm", o.stage == 3);
     o.allgather_partitions = r.boolean(*z, w, "allgather_partitions", true);
     o.reduce_scatter = r.boolean(*z, w, "reduce_scatter", true);
-    o.allgather_bucket_size = static_cast<double>(r.integer(*z, w, "allgather_bucket_size", 500000000));
-    o.reduce_bucket_size = static_cast<double>(r.integer(*z, w, "reduce_bucket_size", 500000000));
-    o.sub_group_size = r.number(*z, w, "sub_group_size", 1e9);
+    o.allgather_bucket_size =
+        static_cast<double>(r.integer(*z, w, "allgather_bucket_size", 500000000, 1, kMax));
+    o.reduce_bucket_size =
+        static_cast<double>(r.integer(*z, w, "reduce_bucket_size", 500000000, 1, kMax));
+    o.sub_group_size = static_cast<double>(r.integer(*z, w, "sub_group_size", 1000000000, 1, kMax));
     o.stage3_param_persistence_threshold =
-        r.integer(*z, w, "stage3_param_persistence_threshold", 100000);
-    o.stage3_prefetch_bucket_size = r.integer(*z, w, "stage3_prefetch_bucket_size", 50000000);
-    o.stage3_max_live_parameters = r.integer(*z, w, "stage3_max_live_parameters", 1000000000);
+        r.integer(*z, w, "stage3_param_persistence_threshold", 100000, 0, kMax);
+    o.stage3_prefetch_bucket_size =
+        r.integer(*z, w, "stage3_prefetch_bucket_size", 50000000, 0, kMax);
+    o.stage3_max_live_parameters =
+        r.integer(*z, w, "stage3_max_live_parameters", 1000000000, 1, kMax);
     const std::string wo = "zero_optimization.offload_optimizer";
     if (const json* off = read_offload_device(r, *z, "offload_optimizer", kOffloadOptimizerKeys,
                                               &o.offload_optimizer, &o.offload_optimizer_device,
                                               &o.nvme_path, &o.pin_memory)) {
-      o.optimizer_buffer_count = r.integer(*off, wo, "buffer_count", o.optimizer_buffer_count);
+      o.optimizer_buffer_count =
+          r.integer(*off, wo, "buffer_count", o.optimizer_buffer_count, 1, kMaxBuffers);
     }
     const std::string wp = "zero_optimization.offload_param";
     if (const json* off = read_offload_device(r, *z, "offload_param", kOffloadParamKeys,
                                               &o.offload_parameters, &o.offload_params_device,
                                               &o.nvme_path, &o.pin_memory)) {
-      o.params_buffer_count = r.integer(*off, wp, "buffer_count", o.params_buffer_count);
-      o.params_buffer_size = r.number(*off, wp, "buffer_size", o.params_buffer_size);
-      o.max_in_cpu = r.number(*off, wp, "max_in_cpu", o.max_in_cpu);
+      o.params_buffer_count =
+          r.integer(*off, wp, "buffer_count", o.params_buffer_count, 1, kMaxBuffers);
+      o.params_buffer_size = static_cast<double>(r.integer(
+          *off, wp, "buffer_size", static_cast<int64_t>(o.params_buffer_size), 1, kMax));
+      o.max_in_cpu = static_cast<double>(
+          r.integer(*off, wp, "max_in_cpu", static_cast<int64_t>(o.max_in_cpu), 0, kMax));
     }
   }
   o.aio = read_aio(r, j);
@@ -246,17 +309,16 @@ DeepSpeedOptions parse_deepspeed_config(const std::string& path_or_json,
     r.check_keys(*b, "bf16", kBf16Keys);
     if (r.boolean(*b, "bf16", "enabled", false)) t.precision = "bf16-mixed";
   }
-  if (j.contains("gradient_clipping")) t.gradient_clipping = r.number(j, "", "gradient_clipping", 0);
+  if (j.contains("gradient_clipping")) {
+    t.gradient_clipping = r.number(j, "", "gradient_clipping", 0, 0, kMaxNumber);  // 0: off
+  }
   if (j.contains("gradient_accumulation_steps")) {
-    t.gradient_accumulation_steps = r.integer(j, "", "gradient_accumulation_steps", 1);
-    TORCH_CHECK(*t.gradient_accumulation_steps >= 1, "[deepspeed config] ", source,
-                ": 'gradient_accumulation_steps' must be >= 1, got ",
-                *t.gradient_accumulation_steps);
+    t.gradient_accumulation_steps =
+        r.integer(j, "", "gradient_accumulation_steps", 1, 1, kMaxAccumulation);
   }
   if (j.contains("train_micro_batch_size_per_gpu")) {
-    t.train_micro_batch_size_per_gpu = r.integer(j, "", "train_micro_batch_size_per_gpu", 1);
-    TORCH_CHECK(*t.train_micro_batch_size_per_gpu >= 1, "[deepspeed config] ", source,
-                ": 'train_micro_batch_size_per_gpu' must be >= 1");
+    t.train_micro_batch_size_per_gpu =
+        r.integer(j, "", "train_micro_batch_size_per_gpu", 1, 1, kMaxAccumulation);
   }
   if (const json* opt = r.object(j, "", "optimizer")) {
     r.check_keys(*opt, "optimizer", kOptimizerKeys);
@@ -266,16 +328,20 @@ DeepSpeedOptions parse_deepspeed_config(const std::string& path_or_json,
                 "\" is not supported; supported: \"Adam\", \"AdamW\"");
     if (const json* p = r.object(*opt, "optimizer", "params")) {
       r.check_keys(*p, "optimizer.params", kOptimizerParamKeys);
-      t.lr = r.number(*p, "optimizer.params", "lr", t.lr);
-      t.eps = r.number(*p, "optimizer.params", "eps", t.eps);
-      t.weight_decay = r.number(*p, "optimizer.params", "weight_decay", t.weight_decay);
+      t.lr = r.number(*p, "optimizer.params", "lr", t.lr, 0, detail::kMaxLearningRate, true);
+      t.eps = r.number(*p, "optimizer.params", "eps", t.eps, 0, 1, true);
+      t.weight_decay =
+          r.number(*p, "optimizer.params", "weight_decay", t.weight_decay, 0, kMaxNumber);
       t.adam_w_mode = r.boolean(*p, "optimizer.params", "adam_w_mode", t.adam_w_mode);
       if (p->contains("betas")) {
         const json& b = p->at("betas");
+        const char* betas = "an array of two numbers from 0 to 1 (1 excluded)";
         r.expect(b.is_array() && b.size() == 2 && b[0].is_number() && b[1].is_number(),
-                 "optimizer.params.betas", "an array of two numbers", b);
+                 "optimizer.params.betas", betas, b);
         t.beta1 = b[0].get<double>();
         t.beta2 = b[1].get<double>();
+        r.expect(t.beta1 >= 0 && t.beta1 < 1 && t.beta2 >= 0 && t.beta2 < 1,
+                 "optimizer.params.betas", betas, b);
       }
     }
   }
@@ -288,15 +354,17 @@ DeepSpeedOptions parse_deepspeed_config(const std::string& path_or_json,
     if (const json* p = r.object(*s, "scheduler", "params")) {
       const std::string w = "scheduler.params";
       r.check_keys(*p, w, kSchedulerParamKeys);
-      t.warmup_min_lr = r.number(*p, w, "warmup_min_lr", t.warmup_min_lr);
-      t.warmup_max_lr = r.number(*p, w, "warmup_max_lr", t.warmup_max_lr);
-      t.warmup_num_steps = r.integer(*p, w, "warmup_num_steps", t.warmup_num_steps);
+      t.warmup_min_lr =
+          r.number(*p, w, "warmup_min_lr", t.warmup_min_lr, 0, detail::kMaxLearningRate);
+      t.warmup_max_lr =
+          r.number(*p, w, "warmup_max_lr", t.warmup_max_lr, 0, detail::kMaxLearningRate);
+      t.warmup_num_steps = r.integer(*p, w, "warmup_num_steps", t.warmup_num_steps, 0, kMax);
       t.warmup_type = r.string(*p, w, "warmup_type", t.warmup_type);
       TORCH_CHECK(t.warmup_type == "log" || t.warmup_type == "linear", "[deepspeed config] ",
                   source, ": 'scheduler.params.warmup_type' must be \"log\" or \"linear\", got \"",
                   t.warmup_type, "\"");
-      t.total_num_steps = r.integer(*p, w, "total_num_steps", 0);
-      const int64_t last = r.integer(*p, w, "last_batch_iteration", -1);
+      t.total_num_steps = r.integer(*p, w, "total_num_steps", 0, 0, kMax);
+      const int64_t last = r.integer(*p, w, "last_batch_iteration", -1, -kMax, kMax);
       TORCH_CHECK(last == -1, "[deepspeed config] ", source, ": 'scheduler.params."
                   "last_batch_iteration' other than -1 is not supported (resume restores the "
                   "scheduler from the checkpoint instead)");
