@@ -133,7 +133,9 @@ int main(int argc, char** argv) {
   bool remove_stale = false;
   auto* sw = app.add_subcommand(
       "swap", "list the disk tier's swap directories under an nvme_path and the jobs owning them");
-  sw->add_option("nvme_path", nvme_path, "the --nvme-path the jobs ran with")->required();
+  sw->add_option("nvme_path", nvme_path, "the --nvme-path the jobs ran with")
+      ->required()
+      ->check(fsdp::cli::input_dir());
   sw->add_flag("--remove-stale", remove_stale,
                "remove the swap files of jobs that are not running (nothing else)");
   if (auto code = fsdp::cli::parse(app, argc, argv, "fsdp-ckpt")) return *code;

@@ -201,6 +201,6 @@ TEST(SwapOwnership, StaleDirectoriesAreTakenOverNamedAndRemovedByOneCommand) {
 
   const auto bad = fsdp::testing::run_process(
       {fsdp::testing::bin_path("fsdp-ckpt"), "swap", nvme + "/missing"});
-  EXPECT_EQ(bad.exit_code, 1);
-  EXPECT_NE(bad.err.find("is not a directory"), std::string::npos) << bad.err;
+  EXPECT_EQ(bad.exit_code, 2);  // refused when the command line is parsed
+  EXPECT_NE(bad.err.find(nvme + "/missing' does not exist"), std::string::npos) << bad.err;
 }
