@@ -4,10 +4,17 @@
 //   fsdp-ckpt inspect --json ckpt/step-100
 //   fsdp-ckpt convert ckpt/step-100 model.safetensors          consolidate (streaming)
 //   fsdp-ckpt convert --to sharded --world 4 ckpt/step-100 ckpt/step-100-w4
+//   fsdp-ckpt convert --overwrite ...          replace an existing output of the same kind
+//
+// Conversion never destroys: an output that exists and is neither an empty directory nor an
+// output of the same kind is an error, as is an output inside the input or the reverse (Note
+// [Writers never destroy] in src/ckpt/output.h).
 //
 // Conversion streams one tensor piece at a time: memory stays bounded by the largest piece
 // (at most the largest tensor), never the model. Errors print one line and exit 1.
 #include <fsdp/checkpoint.h>
+
+#include "ckpt/tools.h"
 
 #include <nlohmann/json.hpp>
 
@@ -66,7 +73,7 @@ int main(int argc, char** argv) {
   CLI::App app{"fsdp-ckpt: inspect and convert fsdp.cpp checkpoints"};
   app.require_subcommand(1);
   std::string path, in, out, to = "safetensors";
-  bool as_json = false;
+  bool as_json = false, overwrite = false;
   int world = 0;
   auto* ins = app.add_subcommand("inspect", "tensors, shapes, dtypes, world size, step");
   ins->add_option("path", path, "checkpoint directory or .safetensors file")->required();
@@ -75,6 +82,9 @@ int main(int argc, char** argv) {
   conv->add_option("--to", to, "safetensors (one file of model weights) | sharded")
       ->check(fsdp::cli::one_of({"safetensors", "sharded"}));
   conv->add_option("--world", world, "--to sharded: ranks to shard for")->check(fsdp::cli::at_least(1));
+  conv->add_flag("--overwrite", overwrite,
+                 "replace an existing output of the same kind (a checkpoint directory, or a "
+                 "safetensors file)");
   conv->add_option("input", in, "checkpoint directory (full or sharded)")->required();
   conv->add_option("output", out, "output .safetensors file (or directory for --to sharded)")
       ->required();
@@ -86,10 +96,10 @@ int main(int argc, char** argv) {
         std::cerr << "fsdp-ckpt convert: --to sharded needs --world N\n";
         return 2;
       }
-      fsdp::convert_to_sharded(in, out, world);
+      fsdp::ckpt::convert_to_sharded(in, out, world, overwrite);
       std::cout << "wrote sharded checkpoint for world " << world << " to " << out << "\n";
     } else {
-      fsdp::convert_to_safetensors(in, out);
+      fsdp::ckpt::convert_to_safetensors(in, out, overwrite);
       std::cout << "wrote " << out << "\n";
     }
   } catch (const std::exception& e) {

@@ -3,6 +3,7 @@
 #include "fsdp/checkpoint.h"
 
 #include "ckpt/layout.h"
+#include "ckpt/output.h"
 #include "fsdp/cpu_adam.h"
 #include "fsdp/strategy.h"
 
@@ -420,17 +421,23 @@ void write_shard(const std::string& file, const Layout& L, int rank, int64_t ste
 }
 
 // A save fails on a rank (full disk, read-only directory): every rank learns it, throws, and
-// nothing is published; the one that failed says why.
+// nothing is published; the one that failed says why. `partial` (rank 0: the directory this
+// save created; else empty) is removed.
 void agree_on_save(Strategy& strategy, const std::string& error, const fs::path& target,
                    const fs::path& partial) {
   at::Tensor failed = at::tensor({error.empty() ? 0.0f : 1.0f});
   failed = strategy.reduce(failed, ReduceOp::kSum);
   const int n = static_cast<int>(failed.item<float>());
   if (n == 0) return;
-  if (strategy.rank() == 0) {
+  if (!partial.empty()) {
     std::error_code ec;
     fs::remove_all(partial, ec);
   }
+  // A refused output (Note [Writers never destroy]) already says what to do.
+  const bool refused = error.find("nothing was written") != std::string::npos ||
+                       error.find("did not create") != std::string::npos;
+  TORCH_CHECK(error.empty() || !refused, "[checkpoint] cannot save ", target.string(), " on rank ",
+              strategy.rank(), ": ", error);
   TORCH_CHECK(error.empty(), "[checkpoint] saving ", target.string(), " failed on rank ",
               strategy.rank(), ": ", error, "; nothing was published (", target.string(),
               " is as it was). HINT: free space or make the checkpoint directory writable");
@@ -573,13 +580,24 @@ void save_checkpoint(const std::string& dir, Strategy& strategy, torch::nn::Modu
   const fs::path target = fs::path(dir).lexically_normal();
   const fs::path partial = target.string() + ".partial";
   std::string error;
+  bool created_partial = false;  // rank 0: DIR.partial is this call's (and may be removed)
   if (rank == 0) {
+    // See Note [Writers never destroy] in output.h: a checkpoint at DIR is replaced (a save
+    // overwrites, as Lightning's), anything else there is left alone.
+    error = ckpt::output_problem("", target, ckpt::OutputKind::kCheckpointDir,
+                                 /*overwrite=*/true, "");
     std::error_code ec;
-    fs::remove_all(partial, ec);
-    fs::create_directories(partial, ec);
-    if (ec) error = "cannot create " + partial.string() + ": " + ec.message();
+    if (error.empty() && fs::exists(fs::symlink_status(partial, ec))) {
+      error = partial.string() + " exists (left by an interrupted save?) and this save does not "
+              "remove what it did not create; remove it, or save to another directory";
+    }
+    if (error.empty()) {
+      fs::create_directories(partial.parent_path().empty() ? "." : partial.parent_path(), ec);
+      created_partial = !ec && fs::create_directory(partial, ec);
+      if (!created_partial) error = "cannot create " + partial.string() + ": " + ec.message();
+    }
   }
-  agree_on_save(strategy, error, target, partial);
+  agree_on_save(strategy, error, target, created_partial ? partial : fs::path());
 
   json meta = {{"format", "fsdp.cpp checkpoint"},
                {"format_version", ckpt::kFormatVersion},
@@ -633,19 +651,13 @@ void save_checkpoint(const std::string& dir, Strategy& strategy, torch::nn::Modu
     }
     if (rank == 0) meta["tensors"] = sharded_tensor_table(L);
   }
-  agree_on_save(strategy, error, target, partial);
+  agree_on_save(strategy, error, target, created_partial ? partial : fs::path());
 
   if (rank == 0) {
     const char* meta_file = type == StateDictType::kFull ? ckpt::kFullMetaFile
                                                           : ckpt::kShardedMetaFile;
     ckpt::write_file_atomic((partial / meta_file).string(), meta.dump(1));
-    std::error_code ec;
-    const fs::path old = target.string() + ".old";
-    fs::remove_all(old, ec);
-    if (fs::exists(target)) fs::rename(target, old);
-    fs::rename(partial, target);
-    fs::remove_all(old, ec);
-    ckpt::fsync_dir(target.parent_path().empty() ? "." : target.parent_path().string());
+    ckpt::publish_dir(partial, target, "[checkpoint]");
   }
   strategy.barrier();
 }

@@ -1,5 +1,7 @@
 // inspect_checkpoint and the streaming converters behind `fsdp-ckpt`.
 #include "ckpt/layout.h"
+#include "ckpt/output.h"
+#include "ckpt/tools.h"
 #include "fsdp/checkpoint.h"
 
 #include <c10/util/Exception.h>
@@ -79,6 +81,30 @@ CheckpointInfo inspect_checkpoint(const std::string& path) {
 }
 
 void convert_to_safetensors(const std::string& checkpoint_dir, const std::string& out_file) {
+  ckpt::convert_to_safetensors(checkpoint_dir, out_file, /*overwrite=*/false);
+}
+
+void convert_to_sharded(const std::string& checkpoint_dir, const std::string& out_dir,
+                        int world_size) {
+  ckpt::convert_to_sharded(checkpoint_dir, out_dir, world_size, /*overwrite=*/false);
+}
+
+namespace ckpt {
+
+namespace {
+constexpr const char* kConvert = "[fsdp-ckpt convert]";
+
+// See Note [Writers never destroy] in output.h.
+void check_convert_output(const std::string& in, const std::string& out, OutputKind kind,
+                          bool overwrite) {
+  const std::string problem = output_problem(in, out, kind, overwrite, "--overwrite");
+  TORCH_CHECK(problem.empty(), kConvert, " ", problem);
+}
+}  // namespace
+
+void convert_to_safetensors(const std::string& checkpoint_dir, const std::string& out_file,
+                            bool overwrite) {
+  check_convert_output(checkpoint_dir, out_file, OutputKind::kSafetensorsFile, overwrite);
   auto src = open_source(checkpoint_dir, "fsdp-ckpt convert");
   std::vector<ckpt::TensorSpec> specs;
   for (const auto& [k, t] : src->tensors()) {
@@ -97,15 +123,12 @@ void convert_to_safetensors(const std::string& checkpoint_dir, const std::string
 }
 
 void convert_to_sharded(const std::string& checkpoint_dir, const std::string& out_dir,
-                        int world_size) {
-  TORCH_CHECK(world_size >= 1, "[fsdp-ckpt convert] --world must be >= 1 (got ", world_size, ")");
+                        int world_size, bool overwrite) {
+  TORCH_CHECK(world_size >= 1, kConvert, " --world must be >= 1 (got ", world_size, ")");
+  check_convert_output(checkpoint_dir, out_dir, OutputKind::kCheckpointDir, overwrite);
   auto src = open_source(checkpoint_dir, "fsdp-ckpt convert");
-  const fs::path out = fs::path(out_dir);
-  const fs::path partial = out.string() + ".partial";
-  std::error_code ec;
-  fs::remove_all(partial, ec);
-  fs::create_directories(partial, ec);
-  TORCH_CHECK(!ec, "[fsdp-ckpt convert] cannot create ", partial.string(), ": ", ec.message());
+  StagingDir staging(out_dir, kConvert);
+  const fs::path& partial = staging.path();
 
   // The FSDP split: R = ceil(dim0 / W) rows per rank, the last ranks short or empty.
   auto rows_of = [&](const ckpt::SourceTensor& t, int r) {
@@ -149,11 +172,10 @@ void convert_to_sharded(const std::string& checkpoint_dir, const std::string& ou
   meta["converted_from"] = src->type();
   meta["tensors"] = table;
   ckpt::write_file_atomic((partial / ckpt::kShardedMetaFile).string(), meta.dump(1));
-  const fs::path old = out.string() + ".old";
-  fs::remove_all(old, ec);
-  if (fs::exists(out)) fs::rename(out, old);
-  fs::rename(partial, out);
-  fs::remove_all(old, ec);
+  // Checked again: the output may have changed while this ran.
+  check_convert_output(checkpoint_dir, out_dir, OutputKind::kCheckpointDir, overwrite);
+  staging.publish();
 }
 
+}  // namespace ckpt
 }  // namespace fsdp
