@@ -1,4 +1,5 @@
 // inspect_checkpoint and the streaming converters behind `fsdp-ckpt`.
+#include "ckpt/identity.h"
 #include "ckpt/layout.h"
 #include "ckpt/output.h"
 #include "ckpt/tools.h"
@@ -8,6 +9,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <set>
 #include <vector>
 
 namespace fsdp {
@@ -63,6 +65,7 @@ void stream_rows(const ckpt::Source& src, const std::string& key, int64_t b, int
 }  // namespace
 
 CheckpointInfo inspect_checkpoint(const std::string& path) {
+  ckpt::verify_checkpoint(path, "fsdp-ckpt inspect");  // a damaged checkpoint is an error
   auto src = open_source(path, "fsdp-ckpt inspect");
   CheckpointInfo info;
   info.type = src->type();
@@ -102,6 +105,33 @@ void check_convert_output(const std::string& in, const std::string& out, OutputK
 }
 }  // namespace
 
+VerifyReport verify_checkpoint(const std::string& path, const char* who) {
+  auto src = open_source(path, who);
+  VerifyReport r;
+  r.type = src->type();
+  r.run_id = src->run_id();
+  r.global_step = src->info().global_step;
+  r.world_size = src->info().world_size;
+  r.tensors = static_cast<int64_t>(src->tensors().size());
+  std::set<std::string> files;
+  for (const auto& [k, t] : src->tensors()) {
+    for (const auto& p : t.pieces) files.insert(p.file);
+  }
+  r.files = static_cast<int64_t>(files.size());
+  try {
+    r.bytes_checked = src->verify_all();
+  } catch (const FormatError& e) {
+    TORCH_CHECK(false, "[", who, "] ", e.what());
+  }
+  // Pieces of files without checksums were skipped: the checkpoint verified only if none was.
+  r.checksums = src->has_integrity();
+  if (src->type() == "safetensors") {
+    r.checksums = true;
+    for (const auto& f : files) r.checksums = r.checksums && src->has_checksums(f);
+  }
+  return r;
+}
+
 void convert_to_safetensors(const std::string& checkpoint_dir, const std::string& out_file,
                             bool overwrite) {
   check_convert_output(checkpoint_dir, out_file, OutputKind::kSafetensorsFile, overwrite);
@@ -114,7 +144,7 @@ void convert_to_safetensors(const std::string& checkpoint_dir, const std::string
   if (src->type() != "safetensors") {
     metadata["global_step"] = std::to_string(src->info().global_step);
   }
-  ckpt::SafetensorsWriter w(out_file, specs, metadata);
+  ckpt::SafetensorsWriter w(out_file, specs, metadata, /*checksums=*/true);
   at::Tensor buf;
   for (const auto& s : specs) {
     stream_rows(*src, s.name, 0, ckpt::dim0_of(s.shape), w, buf);
@@ -146,6 +176,14 @@ void convert_to_sharded(const std::string& checkpoint_dir, const std::string& ou
     }
     table[k] = {{"shape", t.shape}, {"dtype", ckpt::dtype_name(t.dtype)}, {"pieces", pieces}};
   }
+  // See Note [Checkpoint identity]: the run of the input (a fresh one for a checkpoint that
+  // records none), a save of its own.
+  Identity id;
+  id.run_id = src->run_id().empty() ? random_id() : src->run_id();
+  id.save_id = random_id();
+  id.step = src->info().global_step;
+  id.world_size = world_size;
+  id.shards = world_size;
   at::Tensor buf;
   for (int r = 0; r < world_size; ++r) {
     std::vector<ckpt::TensorSpec> specs;
@@ -156,7 +194,9 @@ void convert_to_sharded(const std::string& checkpoint_dir, const std::string& ou
       specs.push_back({k, t.dtype, ckpt::piece_shape(t.shape, e - b)});
       ranges.emplace_back(b, e);
     }
-    ckpt::SafetensorsWriter w((partial / ckpt::shard_file_name(r, world_size)).string(), specs);
+    id.shard = r;
+    ckpt::SafetensorsWriter w((partial / ckpt::shard_file_name(r, world_size)).string(), specs,
+                              identity_metadata(id), /*checksums=*/true);
     for (size_t i = 0; i < specs.size(); ++i) {
       stream_rows(*src, specs[i].name, ranges[i].first, ranges[i].second, w, buf);
     }
@@ -171,6 +211,7 @@ void convert_to_sharded(const std::string& checkpoint_dir, const std::string& ou
   meta["world_size"] = world_size;
   meta["converted_from"] = src->type();
   meta["tensors"] = table;
+  meta["integrity"] = {{"checksum", "crc32"}, {"run_id", id.run_id}, {"save_id", id.save_id}};
   ckpt::write_file_atomic((partial / ckpt::kShardedMetaFile).string(), meta.dump(1));
   // Checked again: the output may have changed while this ran.
   check_convert_output(checkpoint_dir, out_dir, OutputKind::kCheckpointDir, overwrite);
