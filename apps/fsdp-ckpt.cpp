@@ -2,6 +2,7 @@
 //
 //   fsdp-ckpt inspect ckpt/step-100            tensors, shapes, dtypes, world size, step
 //   fsdp-ckpt inspect --json ckpt/step-100
+//   fsdp-ckpt verify ckpt/step-100             every file's identity and checksums, no loading
 //   fsdp-ckpt convert ckpt/step-100 model.safetensors          consolidate (streaming)
 //   fsdp-ckpt convert --to sharded --world 4 ckpt/step-100 ckpt/step-100-w4
 //   fsdp-ckpt convert --overwrite ...          replace an existing output of the same kind
@@ -11,7 +12,9 @@
 // [Writers never destroy] in src/ckpt/output.h).
 //
 // Conversion streams one tensor piece at a time: memory stays bounded by the largest piece
-// (at most the largest tensor), never the model. Errors print one line and exit 1.
+// (at most the largest tensor), never the model. Errors print one line and exit 1. inspect and
+// verify check every checksum (Note [Checkpoint identity] in src/ckpt/identity.h): a damaged
+// checkpoint is an error; one saved without checksums is reported as unverified (exit 0).
 #include <fsdp/checkpoint.h>
 
 #include "ckpt/tools.h"
@@ -31,7 +34,32 @@ std::string shape_str(const std::vector<int64_t>& s) {
   return out + "]";
 }
 
+// One line on stderr for a checkpoint that carries no checksums.
+void warn_unverified(const std::string& path, const fsdp::ckpt::VerifyReport& v) {
+  if (v.checksums) return;
+  std::cerr << "fsdp-ckpt: warning: " << path << " was saved without checksums (by an earlier "
+            << "fsdp.cpp): its structure is valid but its data cannot be verified; `fsdp-ckpt "
+            << "convert --to sharded --world N " << path << " NEW` writes a copy that carries "
+            << "them\n";
+}
+
+int verify(const std::string& path) {
+  const fsdp::ckpt::VerifyReport v = fsdp::ckpt::verify_checkpoint(path);
+  warn_unverified(path, v);
+  std::cout << path << ": " << v.type << " checkpoint";
+  if (!v.run_id.empty()) std::cout << " of run " << v.run_id;
+  if (v.type != "safetensors") {
+    std::cout << ", step " << v.global_step << ", world size " << v.world_size;
+  }
+  std::cout << ": " << v.files << " file(s), " << v.tensors << " tensors, " << v.bytes_checked
+            << " bytes " << (v.checksums ? "match their checksums" : "read (no checksums)")
+            << "\n";
+  return 0;
+}
+
 int inspect(const std::string& path, bool as_json) {
+  const fsdp::ckpt::VerifyReport v = fsdp::ckpt::verify_checkpoint(path, "fsdp-ckpt inspect");
+  warn_unverified(path, v);
   fsdp::CheckpointInfo info = fsdp::inspect_checkpoint(path);
   if (as_json) {
     nlohmann::json j = {{"path", path},
@@ -40,7 +68,8 @@ int inspect(const std::string& path, bool as_json) {
                         {"strategy", info.strategy},
                         {"global_step", info.progress.global_step},
                         {"epoch", info.progress.epoch},
-                        {"batch_in_epoch", info.progress.batch_in_epoch}};
+                        {"batch_in_epoch", info.progress.batch_in_epoch},
+                        {"checksums_verified", v.checksums}};
     nlohmann::json ts = nlohmann::json::array();
     for (const auto& t : info.tensors) {
       ts.push_back({{"name", t.name}, {"dtype", t.dtype}, {"shape", t.shape}, {"pieces", t.pieces}});
@@ -78,6 +107,9 @@ int main(int argc, char** argv) {
   auto* ins = app.add_subcommand("inspect", "tensors, shapes, dtypes, world size, step");
   ins->add_option("path", path, "checkpoint directory or .safetensors file")->required();
   ins->add_flag("--json", as_json, "print JSON");
+  auto* ver = app.add_subcommand("verify", "check every file's identity and checksums without "
+                                 "loading the checkpoint");
+  ver->add_option("path", path, "checkpoint directory or .safetensors file")->required();
   auto* conv = app.add_subcommand("convert", "consolidate to one safetensors file, or reshard");
   conv->add_option("--to", to, "safetensors (one file of model weights) | sharded")
       ->check(fsdp::cli::one_of({"safetensors", "sharded"}));
@@ -91,6 +123,7 @@ int main(int argc, char** argv) {
   if (auto code = fsdp::cli::parse(app, argc, argv, "fsdp-ckpt")) return *code;
   try {
     if (ins->parsed()) return inspect(path, as_json);
+    if (ver->parsed()) return verify(path);
     if (to == "sharded") {
       if (world <= 0) {
         std::cerr << "fsdp-ckpt convert: --to sharded needs --world N\n";
