@@ -22,11 +22,11 @@
 // Note [Run identity]
 // -------------------
 // A run is a fit and every fit that resumes from its checkpoints. Its id (32 random hex digits)
-// is drawn by rank 0 at its first save (or when a ModelCheckpoint first claims a directory) and
-// broadcast with each save; load_checkpoint adopts the id of the checkpoint it loads, so a
-// resumed fit continues the run; the Trainer starts each fit with no id (a fresh run unless it
-// resumes). One process holds one current run id (current_run_id): a process runs one fit at a
-// time. A ModelCheckpoint directory records its owner run (model_checkpoint.cpp).
+// is drawn by rank 0 at its first save and broadcast with each save; load_checkpoint adopts the
+// id of the checkpoint it loads, so a resumed fit continues the run; the Trainer starts each fit
+// with no id (Trainer::setup_callbacks, trainer_checkpoint.cpp: a fresh run unless it resumes).
+// One process holds one current run id (current_run_id): a process runs one fit at a time;
+// saves outside a Trainer share the id of the process's first save.
 #pragma once
 
 #include "ckpt/safetensors.h"
