@@ -2,14 +2,24 @@
 //
 //   fsdp-ckpt inspect ckpt/step-100            tensors, shapes, dtypes, world size, step
 //   fsdp-ckpt inspect --json ckpt/step-100
+//   fsdp-ckpt verify ckpt/step-100             every file's identity and checksums, no loading
 //   fsdp-ckpt convert ckpt/step-100 model.safetensors          consolidate (streaming)
 //   fsdp-ckpt convert --to sharded --world 4 ckpt/step-100 ckpt/step-100-w4
+//   fsdp-ckpt convert --overwrite ...          replace an existing output of the same kind
 //   fsdp-ckpt swap /local_nvme                 the disk tier's swap directories and their jobs
 //   fsdp-ckpt swap --remove-stale /local_nvme  remove those of jobs that are not running
 //
+// Conversion never destroys: an output that exists and is neither an empty directory nor an
+// output of the same kind is an error, as is an output inside the input or the reverse (Note
+// [Writers never destroy] in src/ckpt/output.h).
+//
 // Conversion streams one tensor piece at a time: memory stays bounded by the largest piece
-// (at most the largest tensor), never the model. Errors print one line and exit 1.
+// (at most the largest tensor), never the model. Errors print one line and exit 1. inspect and
+// verify check every checksum (Note [Checkpoint identity] in src/ckpt/identity.h): a damaged
+// checkpoint is an error; one saved without checksums is reported as unverified (exit 0).
 #include <fsdp/checkpoint.h>
+
+#include "ckpt/tools.h"
 
 #include <nlohmann/json.hpp>
 
@@ -28,7 +38,32 @@ std::string shape_str(const std::vector<int64_t>& s) {
   return out + "]";
 }
 
+// One line on stderr for a checkpoint that carries no checksums.
+void warn_unverified(const std::string& path, const fsdp::ckpt::VerifyReport& v) {
+  if (v.checksums) return;
+  std::cerr << "fsdp-ckpt: warning: " << path << " was saved without checksums (by an earlier "
+            << "fsdp.cpp): its structure is valid but its data cannot be verified; `fsdp-ckpt "
+            << "convert --to sharded --world N " << path << " NEW` writes a copy that carries "
+            << "them\n";
+}
+
+int verify(const std::string& path) {
+  const fsdp::ckpt::VerifyReport v = fsdp::ckpt::verify_checkpoint(path);
+  warn_unverified(path, v);
+  std::cout << path << ": " << v.type << " checkpoint";
+  if (!v.run_id.empty()) std::cout << " of run " << v.run_id;
+  if (v.type != "safetensors") {
+    std::cout << ", step " << v.global_step << ", world size " << v.world_size;
+  }
+  std::cout << ": " << v.files << " file(s), " << v.tensors << " tensors, " << v.bytes_checked
+            << " bytes " << (v.checksums ? "match their checksums" : "read (no checksums)")
+            << "\n";
+  return 0;
+}
+
 int inspect(const std::string& path, bool as_json) {
+  const fsdp::ckpt::VerifyReport v = fsdp::ckpt::verify_checkpoint(path, "fsdp-ckpt inspect");
+  warn_unverified(path, v);
   fsdp::CheckpointInfo info = fsdp::inspect_checkpoint(path);
   if (as_json) {
     nlohmann::json j = {{"path", path},
@@ -37,7 +72,8 @@ int inspect(const std::string& path, bool as_json) {
                         {"strategy", info.strategy},
                         {"global_step", info.progress.global_step},
                         {"epoch", info.progress.epoch},
-                        {"batch_in_epoch", info.progress.batch_in_epoch}};
+                        {"batch_in_epoch", info.progress.batch_in_epoch},
+                        {"checksums_verified", v.checksums}};
     nlohmann::json ts = nlohmann::json::array();
     for (const auto& t : info.tensors) {
       ts.push_back({{"name", t.name}, {"dtype", t.dtype}, {"shape", t.shape}, {"pieces", t.pieces}});
@@ -110,13 +146,18 @@ int main(int argc, char** argv) {
   CLI::App app{"fsdp-ckpt: inspect and convert fsdp.cpp checkpoints; list and clean swap directories"};
   app.require_subcommand(1);
   std::string path, in, out, to = "safetensors";
-  bool as_json = false;
+  bool as_json = false, overwrite = false;
   int world = 0;
   auto* ins = app.add_subcommand("inspect", "tensors, shapes, dtypes, world size, step");
   ins->add_option("path", path, "checkpoint directory or .safetensors file")
       ->required()
       ->check(fsdp::cli::input_path());
   ins->add_flag("--json", as_json, "print JSON");
+  auto* ver = app.add_subcommand("verify", "check every file's identity and checksums without "
+                                 "loading the checkpoint");
+  ver->add_option("path", path, "checkpoint directory or .safetensors file")
+      ->required()
+      ->check(fsdp::cli::input_path());
   auto* conv = app.add_subcommand("convert", "consolidate to one safetensors file, or reshard");
   conv->add_option("--to", to, "safetensors (one file of model weights) | sharded")
       ->check(fsdp::cli::one_of({"safetensors", "sharded"}));
@@ -124,6 +165,9 @@ int main(int argc, char** argv) {
   conv->add_option("--world", world, "--to sharded: ranks to shard for")
       ->check(fsdp::cli::at_least(1))
       ->check(fsdp::cli::between(1, 65536));
+  conv->add_flag("--overwrite", overwrite,
+                 "replace an existing output of the same kind (a checkpoint directory, or a "
+                 "safetensors file)");
   conv->add_option("input", in, "checkpoint directory (full or sharded)")
       ->required()
       ->check(fsdp::cli::input_path());
@@ -141,16 +185,17 @@ int main(int argc, char** argv) {
   if (auto code = fsdp::cli::parse(app, argc, argv, "fsdp-ckpt")) return *code;
   try {
     if (ins->parsed()) return inspect(path, as_json);
+    if (ver->parsed()) return verify(path);
     if (sw->parsed()) return swap(nvme_path, remove_stale);
     if (to == "sharded") {
       if (world <= 0) {
         std::cerr << "fsdp-ckpt convert: --to sharded needs --world N\n";
         return 2;
       }
-      fsdp::convert_to_sharded(in, out, world);
+      fsdp::ckpt::convert_to_sharded(in, out, world, overwrite);
       std::cout << "wrote sharded checkpoint for world " << world << " to " << out << "\n";
     } else {
-      fsdp::convert_to_safetensors(in, out);
+      fsdp::ckpt::convert_to_safetensors(in, out, overwrite);
       std::cout << "wrote " << out << "\n";
     }
   } catch (const std::exception& e) {

@@ -16,6 +16,7 @@ PACKAGES=(
   libopenmpi-dev openmpi-bin    # the mpi backend
   libcli11-dev nlohmann-json3-dev
   liburing-dev                  # the disk tier's asynchronous I/O (io_uring)
+  zlib1g-dev                    # checkpoint checksums (crc32; src/ckpt/safetensors.h)
   libgtest-dev libgmock-dev libbenchmark-dev
   clang libclang-rt-14-dev      # libFuzzer targets for the checkpoint readers (tests/fuzz)
   python3 python3-venv          # the project's virtual environment

@@ -2,7 +2,9 @@
 // Note [Checkpoint layout] in layout.h.
 #include "fsdp/checkpoint.h"
 
+#include "ckpt/identity.h"
 #include "ckpt/layout.h"
+#include "ckpt/output.h"
 #include "fsdp/cpu_adam.h"
 #include "fsdp/strategy.h"
 
@@ -15,6 +17,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <iostream>
 #include <map>
 #include <mutex>
 #include <unordered_map>
@@ -341,10 +344,15 @@ std::vector<ckpt::TensorSpec> full_specs(const std::vector<LocalTensor>& ts) {
 // Full format: every rank joins the all-gather of each sharded tensor; rank 0 streams the rows
 // to `file`. Peak: the shards plus one gathered tensor.
 void write_full(const std::string& file, const std::vector<LocalTensor>& ts, const Layout& L,
-                int rank, int64_t step) {
+                int rank, int64_t step, ckpt::Identity id) {
   if (L.replica_rank != 0) return;  // See Note [Who writes a checkpoint]
   std::unique_ptr<ckpt::SafetensorsWriter> w;
-  if (L.shard_rank == 0) w = std::make_unique<ckpt::SafetensorsWriter>(file, full_specs(ts));
+  id.shard = 0;
+  id.shards = 1;
+  if (L.shard_rank == 0) {
+    w = std::make_unique<ckpt::SafetensorsWriter>(file, full_specs(ts), ckpt::identity_metadata(id),
+                                                  /*checksums=*/true);
+  }
   ResidentWindow window(L.pager, /*modifies=*/false);
   for (size_t i = 0; i < ts.size(); ++i) {
     const LocalTensor& t = ts[i];
@@ -373,7 +381,7 @@ void write_full(const std::string& file, const std::vector<LocalTensor>& ts, con
 // replicated ones. Streamed optimizer state comes last: the strategy's store visits it one
 // buffer at a time and each piece goes to its place in the file.
 void write_shard(const std::string& file, const Layout& L, int rank, int64_t step,
-                 StreamedOptimizerState* streamed) {
+                 StreamedOptimizerState* streamed, ckpt::Identity id) {
   if (L.replica_rank != 0) return;  // See Note [Who writes a checkpoint]
   std::vector<const LocalTensor*> mine;
   for (const auto* group : {&L.model, &L.optimizer}) {
@@ -386,7 +394,9 @@ void write_shard(const std::string& file, const Layout& L, int rank, int64_t ste
     specs.push_back({t->key, ckpt::to_dtype(t->local.scalar_type()),
                      ckpt::piece_shape(t->full_shape, t->rows)});
   }
-  ckpt::SafetensorsWriter w(file, specs);
+  id.shard = L.shard_rank;
+  id.shards = L.shard_world;
+  ckpt::SafetensorsWriter w(file, specs, ckpt::identity_metadata(id), /*checksums=*/true);
   std::map<std::pair<const c10::TensorImpl*, int>, size_t> pieces;  // (tensor, stat) -> index
   ResidentWindow window(L.pager, /*modifies=*/false);
   for (size_t i = 0; i < mine.size(); ++i) {
@@ -420,23 +430,49 @@ void write_shard(const std::string& file, const Layout& L, int rank, int64_t ste
 }
 
 // A save fails on a rank (full disk, read-only directory): every rank learns it, throws, and
-// nothing is published; the one that failed says why.
+// nothing is published; the one that failed says why. `partial` (rank 0: the directory this
+// save created; else empty) is removed.
 void agree_on_save(Strategy& strategy, const std::string& error, const fs::path& target,
                    const fs::path& partial) {
   at::Tensor failed = at::tensor({error.empty() ? 0.0f : 1.0f});
   failed = strategy.reduce(failed, ReduceOp::kSum);
   const int n = static_cast<int>(failed.item<float>());
   if (n == 0) return;
-  if (strategy.rank() == 0) {
+  if (!partial.empty()) {
     std::error_code ec;
     fs::remove_all(partial, ec);
   }
+  // A refused output (Note [Writers never destroy]) already says what to do.
+  const bool refused = error.find("nothing was written") != std::string::npos ||
+                       error.find("did not create") != std::string::npos;
+  TORCH_CHECK(error.empty() || !refused, "[checkpoint] cannot save ", target.string(), " on rank ",
+              strategy.rank(), ": ", error);
   TORCH_CHECK(error.empty(), "[checkpoint] saving ", target.string(), " failed on rank ",
               strategy.rank(), ": ", error, "; nothing was published (", target.string(),
               " is as it was). HINT: free space or make the checkpoint directory writable");
   TORCH_CHECK(false, "[checkpoint] saving ", target.string(), " failed on ", n, " other rank(s) "
               "(their errors say why); nothing was published (", target.string(),
               " is as it was)");
+}
+
+// A load fails on a rank (a damaged file): every rank learns it and throws; the ones that read
+// the damage say what it is.
+void agree_on_load(Strategy& strategy, const std::string& error, const std::string& dir) {
+  at::Tensor failed = at::tensor({error.empty() ? 0.0f : 1.0f});
+  failed = strategy.reduce(failed, ReduceOp::kSum);
+  const int n = static_cast<int>(failed.item<float>());
+  if (n == 0) return;
+  TORCH_CHECK(error.empty(), error);
+  TORCH_CHECK(false, "[checkpoint] loading ", dir, " failed on ", n, " other rank(s) (their "
+              "errors say why); nothing was resumed");
+}
+
+// See Note [Checkpoint identity]: checkpoints written before it load, unverified, with a warning.
+void warn_unverified(const ckpt::Source& src) {
+  if (src.has_integrity() || src.type() == "safetensors") return;
+  std::cerr << "[checkpoint] warning: " << src.path() << " was saved without checksums (by an "
+            << "earlier fsdp.cpp): its data is loaded unverified; `fsdp-ckpt convert --to "
+            << "sharded --world N " << src.path() << " NEW` writes a copy that carries them\n";
 }
 
 json sharded_tensor_table(const Layout& L) {
@@ -573,14 +609,42 @@ void save_checkpoint(const std::string& dir, Strategy& strategy, torch::nn::Modu
   const fs::path target = fs::path(dir).lexically_normal();
   const fs::path partial = target.string() + ".partial";
   std::string error;
+  bool created_partial = false;  // rank 0: DIR.partial is this call's (and may be removed)
   if (rank == 0) {
+    // See Note [Writers never destroy] in output.h: a checkpoint at DIR is replaced (a save
+    // overwrites, as Lightning's), anything else there is left alone.
+    error = ckpt::output_problem("", target, ckpt::OutputKind::kCheckpointDir,
+                                 /*overwrite=*/true, "");
     std::error_code ec;
-    fs::remove_all(partial, ec);
-    fs::create_directories(partial, ec);
-    if (ec) error = "cannot create " + partial.string() + ": " + ec.message();
+    if (error.empty() && fs::exists(fs::symlink_status(partial, ec))) {
+      error = partial.string() + " exists (left by an interrupted save?) and this save does not "
+              "remove what it did not create; remove it, or save to another directory";
+    }
+    if (error.empty()) {
+      fs::create_directories(partial.parent_path().empty() ? "." : partial.parent_path(), ec);
+      created_partial = !ec && fs::create_directory(partial, ec);
+      if (!created_partial) error = "cannot create " + partial.string() + ": " + ec.message();
+    }
   }
-  agree_on_save(strategy, error, target, partial);
+  agree_on_save(strategy, error, target, created_partial ? partial : fs::path());
 
+  // See Note [Checkpoint identity] and Note [Run identity]: rank 0's ids, on every rank.
+  ckpt::Identity id;
+  {
+    std::string& run = ckpt::current_run_id();
+    std::string ids = (run.empty() ? ckpt::random_id() : run) + ckpt::random_id();
+    if (world > 1) {
+      at::Tensor bytes = at::empty({static_cast<int64_t>(ids.size())}, at::kByte);
+      std::copy(ids.begin(), ids.end(), bytes.data_ptr<uint8_t>());
+      strategy.world()->broadcast(bytes, 0);
+      ids.assign(reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>()), ids.size());
+    }
+    run = ids.substr(0, ids.size() / 2);
+    id.run_id = run;
+    id.save_id = ids.substr(ids.size() / 2);
+    id.step = progress.global_step;
+    id.world_size = world;
+  }
   json meta = {{"format", "fsdp.cpp checkpoint"},
                {"format_version", ckpt::kFormatVersion},
                {"type", to_string(type)},
@@ -591,7 +655,9 @@ void save_checkpoint(const std::string& dir, Strategy& strategy, torch::nn::Modu
                  {"epoch", progress.epoch},
                  {"batch_in_epoch", progress.batch_in_epoch},
                  {"scheduler_steps", progress.scheduler_steps}}},
-               {"rng_cpu", ""}};
+               {"rng_cpu", ""},
+               {"integrity", {{"checksum", "crc32"}, {"run_id", id.run_id},
+                              {"save_id", id.save_id}}}};
   if (optimizer) meta["optimizer"] = optim_meta;
   if (!progress.callback_states.empty()) {
     json cbs = json::parse(progress.callback_states, nullptr, /*allow_exceptions=*/false);
@@ -617,35 +683,29 @@ void save_checkpoint(const std::string& dir, Strategy& strategy, torch::nn::Modu
   if (type == StateDictType::kFull) {
     // Collective (all-gathers): an error here is not agreed on; the full format has no
     // streamed state, so it fails where the sharded one would have.
-    write_full((partial / ckpt::kModelFile).string(), L.model, L, rank, progress.global_step);
+    write_full((partial / ckpt::kModelFile).string(), L.model, L, rank, progress.global_step, id);
     if (optimizer) {
       write_full((partial / ckpt::kOptimizerFile).string(), L.optimizer, L, rank,
-                 progress.global_step);
+                 progress.global_step, id);
     }
     strategy.save_extra_state(partial.string(), module, optimizer);
   } else {
     try {  // no collective inside: every rank gets to agree_on_save
       write_shard((partial / ckpt::shard_file_name(L.shard_rank, L.shard_world)).string(), L,
-                  rank, progress.global_step, streamed);
+                  rank, progress.global_step, streamed, id);
       strategy.save_extra_state(partial.string(), module, optimizer);  // e.g. DDP's comm hooks
     } catch (const std::exception& e) {
       error = e.what();
     }
     if (rank == 0) meta["tensors"] = sharded_tensor_table(L);
   }
-  agree_on_save(strategy, error, target, partial);
+  agree_on_save(strategy, error, target, created_partial ? partial : fs::path());
 
   if (rank == 0) {
     const char* meta_file = type == StateDictType::kFull ? ckpt::kFullMetaFile
                                                           : ckpt::kShardedMetaFile;
     ckpt::write_file_atomic((partial / meta_file).string(), meta.dump(1));
-    std::error_code ec;
-    const fs::path old = target.string() + ".old";
-    fs::remove_all(old, ec);
-    if (fs::exists(target)) fs::rename(target, old);
-    fs::rename(partial, target);
-    fs::remove_all(old, ec);
-    ckpt::fsync_dir(target.parent_path().empty() ? "." : target.parent_path().string());
+    ckpt::publish_dir(partial, target, "[checkpoint]");
   }
   strategy.barrier();
 }
@@ -665,6 +725,7 @@ TrainingProgress load_checkpoint(const std::string& dir, Strategy& strategy,
   Layout L = build_layout(&strategy, module, nullptr, nullptr);
   check_matches(*src, L.model);
   const ckpt::CheckpointMeta& info = src->info();
+  if (strategy.rank() == 0) warn_unverified(*src);
 
   // Optimizer: state for every parameter the checkpoint has state for.
   std::vector<OptLoad> opt_loads;
@@ -692,55 +753,66 @@ TrainingProgress load_checkpoint(const std::string& dir, Strategy& strategy,
     }
   }
 
-  // Data.
-  {
-    ResidentWindow window(L.pager, /*modifies=*/true);
-    for (const auto& t : L.model) {
-      window.enter(t);
-      read_local(*src, t, t.local);
-    }
-    window.close();
-  }
-  StreamedOptimizerState* streamed = optimizer ? strategy.streamed_optimizer_state() : nullptr;
-  if (streamed) {
-    load_streamed(*src, dir, opt_loads, info, *streamed);
-  } else if (optimizer) {
-    const std::string& kind = info.optimizer_kind;
-    for (const auto& ol : opt_loads) {
-      auto stat = [&](const std::string& name, bool required) -> at::Tensor {
-        std::string key = std::string(ckpt::kOptimPrefix) + ol.fqn + "." + name;
-        const ckpt::SourceTensor* s = src->find(key);
-        TORCH_CHECK(s || !required, "[checkpoint] ", dir, " lacks optimizer tensor '", key, "'");
-        if (!s) return {};
-        TORCH_CHECK(s->shape == ol.layout.full_shape, "[checkpoint] ", key, " is ",
-                    ckpt::shape_str(s->shape), ", its parameter ",
-                    ckpt::shape_str(ol.layout.full_shape));
-        at::Tensor t = at::zeros_like(ol.param.detach(), at::MemoryFormat::Contiguous);
-        LocalTensor lt = ol.layout;
-        lt.key = key;
-        read_local(*src, lt, t);
-        return t;
-      };
-      const int64_t step = info.optimizer_steps.at(ol.fqn);
-      std::unique_ptr<torch::optim::OptimizerParamState> st;
-      if (kind == "adamw") {
-        auto s = std::make_unique<torch::optim::AdamWParamState>();
-        s->step(step).exp_avg(stat("exp_avg", true)).exp_avg_sq(stat("exp_avg_sq", true));
-        if (auto m = stat("max_exp_avg_sq", false); m.defined()) s->max_exp_avg_sq(m);
-        st = std::move(s);
-      } else if (kind == "adam") {
-        auto s = std::make_unique<torch::optim::AdamParamState>();
-        s->step(step).exp_avg(stat("exp_avg", true)).exp_avg_sq(stat("exp_avg_sq", true));
-        if (auto m = stat("max_exp_avg_sq", false); m.defined()) s->max_exp_avg_sq(m);
-        st = std::move(s);
-      } else {
-        auto s = std::make_unique<torch::optim::SGDParamState>();
-        if (auto m = stat("momentum_buffer", false); m.defined()) s->momentum_buffer(m);
-        st = std::move(s);
+  // Data. A damaged file is found by the ranks that read it: every rank learns it and stops.
+  std::string load_error;
+  try {
+    // Data.
+    {
+      ResidentWindow window(L.pager, /*modifies=*/true);
+      for (const auto& t : L.model) {
+        window.enter(t);
+        read_local(*src, t, t.local);
       }
-      optimizer->state()[state_key(ol.param)] = std::move(st);
+      window.close();
     }
+    StreamedOptimizerState* streamed = optimizer ? strategy.streamed_optimizer_state() : nullptr;
+    if (streamed) {
+      load_streamed(*src, dir, opt_loads, info, *streamed);
+    } else if (optimizer) {
+      const std::string& kind = info.optimizer_kind;
+      for (const auto& ol : opt_loads) {
+        auto stat = [&](const std::string& name, bool required) -> at::Tensor {
+          std::string key = std::string(ckpt::kOptimPrefix) + ol.fqn + "." + name;
+          const ckpt::SourceTensor* s = src->find(key);
+          TORCH_CHECK(s || !required, "[checkpoint] ", dir, " lacks optimizer tensor '", key, "'");
+          if (!s) return {};
+          TORCH_CHECK(s->shape == ol.layout.full_shape, "[checkpoint] ", key, " is ",
+                      ckpt::shape_str(s->shape), ", its parameter ",
+                      ckpt::shape_str(ol.layout.full_shape));
+          at::Tensor t = at::zeros_like(ol.param.detach(), at::MemoryFormat::Contiguous);
+          LocalTensor lt = ol.layout;
+          lt.key = key;
+          read_local(*src, lt, t);
+          return t;
+        };
+        const int64_t step = info.optimizer_steps.at(ol.fqn);
+        std::unique_ptr<torch::optim::OptimizerParamState> st;
+        if (kind == "adamw") {
+          auto s = std::make_unique<torch::optim::AdamWParamState>();
+          s->step(step).exp_avg(stat("exp_avg", true)).exp_avg_sq(stat("exp_avg_sq", true));
+          if (auto m = stat("max_exp_avg_sq", false); m.defined()) s->max_exp_avg_sq(m);
+          st = std::move(s);
+        } else if (kind == "adam") {
+          auto s = std::make_unique<torch::optim::AdamParamState>();
+          s->step(step).exp_avg(stat("exp_avg", true)).exp_avg_sq(stat("exp_avg_sq", true));
+          if (auto m = stat("max_exp_avg_sq", false); m.defined()) s->max_exp_avg_sq(m);
+          st = std::move(s);
+        } else {
+          auto s = std::make_unique<torch::optim::SGDParamState>();
+          if (auto m = stat("momentum_buffer", false); m.defined()) s->momentum_buffer(m);
+          st = std::move(s);
+        }
+        optimizer->state()[state_key(ol.param)] = std::move(st);
+      }
+    }
+  } catch (const c10::Error& e) {
+    load_error = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    load_error = std::string("[checkpoint] ") + e.what();
   }
+  agree_on_load(strategy, load_error, dir);
+  // See Note [Run identity]: a resumed fit continues the run it resumes.
+  if (!src->run_id().empty()) ckpt::current_run_id() = src->run_id();
 
   TrainingProgress progress;
   progress.global_step = info.global_step;
@@ -783,7 +855,12 @@ void load_weights(torch::nn::Module& module, const std::string& path) {
   }
   Layout L = build_layout(nullptr, module, nullptr, nullptr);
   check_matches(*src, L.model);
-  for (const auto& t : L.model) read_local(*src, t, t.local);
+  warn_unverified(*src);
+  try {
+    for (const auto& t : L.model) read_local(*src, t, t.local);
+  } catch (const ckpt::FormatError& e) {
+    TORCH_CHECK(false, "[load_weights] ", e.what());
+  }
 }
 
 }  // namespace fsdp

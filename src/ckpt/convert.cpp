@@ -1,11 +1,15 @@
 // inspect_checkpoint and the streaming converters behind `fsdp-ckpt`.
+#include "ckpt/identity.h"
 #include "ckpt/layout.h"
+#include "ckpt/output.h"
+#include "ckpt/tools.h"
 #include "fsdp/checkpoint.h"
 
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <filesystem>
+#include <set>
 #include <vector>
 
 namespace fsdp {
@@ -61,6 +65,7 @@ void stream_rows(const ckpt::Source& src, const std::string& key, int64_t b, int
 }  // namespace
 
 CheckpointInfo inspect_checkpoint(const std::string& path) {
+  ckpt::verify_checkpoint(path, "fsdp-ckpt inspect");  // a damaged checkpoint is an error
   auto src = open_source(path, "fsdp-ckpt inspect");
   CheckpointInfo info;
   info.type = src->type();
@@ -79,6 +84,57 @@ CheckpointInfo inspect_checkpoint(const std::string& path) {
 }
 
 void convert_to_safetensors(const std::string& checkpoint_dir, const std::string& out_file) {
+  ckpt::convert_to_safetensors(checkpoint_dir, out_file, /*overwrite=*/false);
+}
+
+void convert_to_sharded(const std::string& checkpoint_dir, const std::string& out_dir,
+                        int world_size) {
+  ckpt::convert_to_sharded(checkpoint_dir, out_dir, world_size, /*overwrite=*/false);
+}
+
+namespace ckpt {
+
+namespace {
+constexpr const char* kConvert = "[fsdp-ckpt convert]";
+
+// See Note [Writers never destroy] in output.h.
+void check_convert_output(const std::string& in, const std::string& out, OutputKind kind,
+                          bool overwrite) {
+  const std::string problem = output_problem(in, out, kind, overwrite, "--overwrite");
+  TORCH_CHECK(problem.empty(), kConvert, " ", problem);
+}
+}  // namespace
+
+VerifyReport verify_checkpoint(const std::string& path, const char* who) {
+  auto src = open_source(path, who);
+  VerifyReport r;
+  r.type = src->type();
+  r.run_id = src->run_id();
+  r.global_step = src->info().global_step;
+  r.world_size = src->info().world_size;
+  r.tensors = static_cast<int64_t>(src->tensors().size());
+  std::set<std::string> files;
+  for (const auto& [k, t] : src->tensors()) {
+    for (const auto& p : t.pieces) files.insert(p.file);
+  }
+  r.files = static_cast<int64_t>(files.size());
+  try {
+    r.bytes_checked = src->verify_all();
+  } catch (const FormatError& e) {
+    TORCH_CHECK(false, "[", who, "] ", e.what());
+  }
+  // Pieces of files without checksums were skipped: the checkpoint verified only if none was.
+  r.checksums = src->has_integrity();
+  if (src->type() == "safetensors") {
+    r.checksums = true;
+    for (const auto& f : files) r.checksums = r.checksums && src->has_checksums(f);
+  }
+  return r;
+}
+
+void convert_to_safetensors(const std::string& checkpoint_dir, const std::string& out_file,
+                            bool overwrite) {
+  check_convert_output(checkpoint_dir, out_file, OutputKind::kSafetensorsFile, overwrite);
   auto src = open_source(checkpoint_dir, "fsdp-ckpt convert");
   std::vector<ckpt::TensorSpec> specs;
   for (const auto& [k, t] : src->tensors()) {
@@ -88,7 +144,7 @@ void convert_to_safetensors(const std::string& checkpoint_dir, const std::string
   if (src->type() != "safetensors") {
     metadata["global_step"] = std::to_string(src->info().global_step);
   }
-  ckpt::SafetensorsWriter w(out_file, specs, metadata);
+  ckpt::SafetensorsWriter w(out_file, specs, metadata, /*checksums=*/true);
   at::Tensor buf;
   for (const auto& s : specs) {
     stream_rows(*src, s.name, 0, ckpt::dim0_of(s.shape), w, buf);
@@ -97,15 +153,12 @@ void convert_to_safetensors(const std::string& checkpoint_dir, const std::string
 }
 
 void convert_to_sharded(const std::string& checkpoint_dir, const std::string& out_dir,
-                        int world_size) {
-  TORCH_CHECK(world_size >= 1, "[fsdp-ckpt convert] --world must be >= 1 (got ", world_size, ")");
+                        int world_size, bool overwrite) {
+  TORCH_CHECK(world_size >= 1, kConvert, " --world must be >= 1 (got ", world_size, ")");
+  check_convert_output(checkpoint_dir, out_dir, OutputKind::kCheckpointDir, overwrite);
   auto src = open_source(checkpoint_dir, "fsdp-ckpt convert");
-  const fs::path out = fs::path(out_dir);
-  const fs::path partial = out.string() + ".partial";
-  std::error_code ec;
-  fs::remove_all(partial, ec);
-  fs::create_directories(partial, ec);
-  TORCH_CHECK(!ec, "[fsdp-ckpt convert] cannot create ", partial.string(), ": ", ec.message());
+  StagingDir staging(out_dir, kConvert);
+  const fs::path& partial = staging.path();
 
   // The FSDP split: R = ceil(dim0 / W) rows per rank, the last ranks short or empty.
   auto rows_of = [&](const ckpt::SourceTensor& t, int r) {
@@ -123,6 +176,14 @@ void convert_to_sharded(const std::string& checkpoint_dir, const std::string& ou
     }
     table[k] = {{"shape", t.shape}, {"dtype", ckpt::dtype_name(t.dtype)}, {"pieces", pieces}};
   }
+  // See Note [Checkpoint identity]: the run of the input (a fresh one for a checkpoint that
+  // records none), a save of its own.
+  Identity id;
+  id.run_id = src->run_id().empty() ? random_id() : src->run_id();
+  id.save_id = random_id();
+  id.step = src->info().global_step;
+  id.world_size = world_size;
+  id.shards = world_size;
   at::Tensor buf;
   for (int r = 0; r < world_size; ++r) {
     std::vector<ckpt::TensorSpec> specs;
@@ -133,7 +194,9 @@ void convert_to_sharded(const std::string& checkpoint_dir, const std::string& ou
       specs.push_back({k, t.dtype, ckpt::piece_shape(t.shape, e - b)});
       ranges.emplace_back(b, e);
     }
-    ckpt::SafetensorsWriter w((partial / ckpt::shard_file_name(r, world_size)).string(), specs);
+    id.shard = r;
+    ckpt::SafetensorsWriter w((partial / ckpt::shard_file_name(r, world_size)).string(), specs,
+                              identity_metadata(id), /*checksums=*/true);
     for (size_t i = 0; i < specs.size(); ++i) {
       stream_rows(*src, specs[i].name, ranges[i].first, ranges[i].second, w, buf);
     }
@@ -148,12 +211,12 @@ void convert_to_sharded(const std::string& checkpoint_dir, const std::string& ou
   meta["world_size"] = world_size;
   meta["converted_from"] = src->type();
   meta["tensors"] = table;
+  meta["integrity"] = {{"checksum", "crc32"}, {"run_id", id.run_id}, {"save_id", id.save_id}};
   ckpt::write_file_atomic((partial / ckpt::kShardedMetaFile).string(), meta.dump(1));
-  const fs::path old = out.string() + ".old";
-  fs::remove_all(old, ec);
-  if (fs::exists(out)) fs::rename(out, old);
-  fs::rename(partial, out);
-  fs::remove_all(old, ec);
+  // Checked again: the output may have changed while this ran.
+  check_convert_output(checkpoint_dir, out_dir, OutputKind::kCheckpointDir, overwrite);
+  staging.publish();
 }
 
+}  // namespace ckpt
 }  // namespace fsdp

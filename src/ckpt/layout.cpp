@@ -2,12 +2,14 @@
 // See Note [Checkpoint layout] in layout.h.
 #include "ckpt/layout.h"
 
+#include "ckpt/identity.h"
 #include "common/injected_hooks.h"
 
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <filesystem>
+#include <regex>
 #include <sstream>
 
 namespace fsdp::ckpt {
@@ -130,6 +132,91 @@ Source::Source(const std::string& path) : path_(path) {
       }
     }
   }
+  check_identity();
+}
+
+void Source::check_identity() {
+  const std::string what = (fs::path(dir_) / (type_ == "full" ? kFullMetaFile
+                                                              : kShardedMetaFile)).string();
+  auto it = meta_.find("integrity");
+  if (type_ == "safetensors" || it == meta_.end()) return;  // written before the record
+  const json& in = *it;
+  auto field = [&](const char* key) {
+    auto f = in.find(key);
+    if (f == in.end() || !f->is_string() || f->get<std::string>().empty()) {
+      bad(what, std::string("\"integrity\" lacks \"") + key + "\"; the metadata is corrupt");
+    }
+    return f->get<std::string>();
+  };
+  if (field("checksum") != "crc32") {
+    bad(what, "\"integrity\" names checksum '" + field("checksum") + "', which this version "
+        "does not know (it knows crc32); read it with the fsdp.cpp that wrote it");
+  }
+  run_id_ = field("run_id");
+  save_id_ = field("save_id");
+  const std::string mine = "run " + run_id_ + " step " + std::to_string(info_.global_step) +
+                           ", save " + save_id_;
+  static const std::regex shard_re("shard-([0-9]+)-of-([0-9]+)\\.safetensors");
+  for (const auto& [file, r] : readers_) {
+    const SafetensorsHeader& h = r->header();
+    if (!r->has_checksums() || !h.metadata.count("fsdp.save_id")) {
+      bad(r->path(), "has no checksums and no identity, but " + what + " says every file of "
+          "this checkpoint has them: the file comes from another (older) checkpoint; put back "
+          "the file saved with this one, or load the checkpoint it belongs to");
+    }
+    if (h.metadata.at("fsdp.save_id") != save_id_) {
+      bad(r->path(), "belongs to another checkpoint (" + describe_identity(h) + ") than " +
+          what + " (" + mine + "): the files of two checkpoints are mixed; put back the file "
+          "saved with this one, or load the checkpoint it belongs to");
+    }
+    std::smatch m;
+    const std::string want = std::regex_match(file, m, shard_re)
+                                 ? m[1].str() + "/" + m[2].str()
+                                 : std::string("0/1");
+    auto shard = h.metadata.find("fsdp.shard");
+    if (shard == h.metadata.end() || shard->second != want) {
+      bad(r->path(), "holds shard " + (shard == h.metadata.end() ? "?" : shard->second) +
+          " of its checkpoint but is named for shard " + want + ": files were renamed; give "
+          "each shard file its own name back");
+    }
+  }
+}
+
+bool Source::piece_pending(const std::string& key, const Piece& piece) const {
+  return reader(piece.file).has_checksums() && !verified_.count({piece.file, key});
+}
+
+void Source::check_piece(const std::string& key, const Piece& piece, uint32_t crc) const {
+  const SafetensorsReader& r = reader(piece.file);
+  const uint32_t want = r.recorded_crc32(key);
+  if (crc != want) {
+    const SourceTensor& t = tensors_.at(key);
+    bad(r.path(), "tensor '" + key + "' (rows [" + std::to_string(piece.begin) + ", " +
+        std::to_string(piece.end) + ") of " + shape_str(t.shape) + " " + dtype_name(t.dtype) +
+        ") does not match its checksum (recorded crc32 " + crc32_hex(want) + ", read " +
+        crc32_hex(crc) + "): the file is damaged; restore it from a copy, or load an earlier "
+        "checkpoint");
+  }
+  verified_.insert({piece.file, key});
+}
+
+void Source::verify_piece(const std::string& key, const Piece& piece) const {
+  if (!piece_pending(key, piece)) return;
+  check_piece(key, piece, reader(piece.file).crc32_of(key));
+}
+
+int64_t Source::verify_all() const {
+  int64_t bytes = 0;
+  for (const auto& [key, t] : tensors_) {
+    for (const auto& p : t.pieces) {
+      if (!reader(p.file).has_checksums()) continue;
+      const TensorEntry& e = reader(p.file).entry(key);
+      verified_.erase({p.file, key});  // checked again, from the disk
+      verify_piece(key, p);
+      bytes += static_cast<int64_t>(e.end - e.begin);
+    }
+  }
+  return bytes;
 }
 
 const SourceTensor* Source::find(const std::string& key) const {
@@ -149,6 +236,7 @@ void Source::read_piece(const std::string& key, const Piece& piece, void* dst,
                         size_t nbytes) const {
   const SafetensorsReader& r = reader(piece.file);
   r.read(key, dst, nbytes);
+  if (piece_pending(key, piece)) check_piece(key, piece, crc32_update(0, dst, nbytes));
 }
 
 void Source::read_rows(const std::string& key, int64_t row_begin, int64_t rows,
@@ -175,8 +263,13 @@ void Source::read_rows(const std::string& key, int64_t row_begin, int64_t rows,
     if (lo >= hi) continue;
     at::Tensor out = flat.narrow(0, (lo - row_begin) * row_numel, (hi - lo) * row_numel);
     at::Tensor buf = direct ? out : at::empty({(hi - lo) * row_numel}, dst.options().dtype(file_type));
-    reader(p.file).read_rows(key, lo - p.begin, hi - lo, buf.data_ptr(),
-                             static_cast<size_t>(buf.numel() * buf.element_size()));
+    // See Note [Checkpoint identity]: a whole piece is checked from what was read, part of
+    // one by reading the piece once.
+    const bool whole = lo == p.begin && hi == p.end;
+    if (!whole) verify_piece(key, p);
+    const size_t nbytes = static_cast<size_t>(buf.numel() * buf.element_size());
+    reader(p.file).read_rows(key, lo - p.begin, hi - lo, buf.data_ptr(), nbytes);
+    if (whole && piece_pending(key, p)) check_piece(key, p, crc32_update(0, buf.data_ptr(), nbytes));
     if (!direct) out.copy_(buf);
   }
 }

@@ -26,6 +26,7 @@
 
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -66,8 +67,24 @@ class Source {
   // Reads one piece's bytes (for streaming conversion).
   void read_piece(const std::string& key, const Piece& piece, void* dst, size_t nbytes) const;
 
+  // See Note [Checkpoint identity] in identity.h. Whether the metadata records the integrity
+  // entry (every file then has checksums and identity, checked at open), and its run.
+  bool has_integrity() const { return !save_id_.empty(); }
+  const std::string& run_id() const { return run_id_; }
+  bool has_checksums(const std::string& file) const { return reader(file).has_checksums(); }
+  // Checks every piece's bytes against its recorded checksum (FormatError naming the file and
+  // the tensor); returns the bytes checked. Pieces of files without checksums are skipped.
+  int64_t verify_all() const;
+
  private:
   const SafetensorsReader& reader(const std::string& file) const;
+  void check_identity();
+  // The piece's checksum against `crc` (once per piece); verify_piece reads it to compute it.
+  void check_piece(const std::string& key, const Piece& piece, uint32_t crc) const;
+  void verify_piece(const std::string& key, const Piece& piece) const;
+  bool piece_pending(const std::string& key, const Piece& piece) const;
+  std::string run_id_, save_id_;
+  mutable std::set<std::pair<std::string, std::string>> verified_;  // (file, key) checked
   std::string path_;
   std::string dir_;
   std::string type_;

@@ -2,6 +2,7 @@
 #include "ckpt/safetensors.h"
 
 #include <nlohmann/json.hpp>
+#include <zlib.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -27,6 +28,16 @@ constexpr uint64_t kMaxHeaderBytes = 100ull << 20;
 }
 
 std::string errno_str() { return std::strerror(errno); }
+
+// The checksum record of `n` tensors (Note [Checkpoint checksums]).
+std::string checksum_record(const std::vector<uint32_t>& crcs) {
+  std::string out;
+  for (size_t i = 0; i < crcs.size(); ++i) {
+    if (i) out.push_back(',');
+    out += crc32_hex(crcs[i]);
+  }
+  return out;
+}
 
 std::string dir_of(const std::string& path) {
   auto slash = path.find_last_of('/');
@@ -271,6 +282,26 @@ SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
       if (n > 0) pread_exact(prefix.data() + 8, n, 8, "");
     }
     header_ = parse_safetensors_header(prefix.data(), prefix.size(), file_size, path);
+    if (auto it = header_.metadata.find(kChecksumKey); it != header_.metadata.end()) {
+      const std::string& rec = it->second;
+      size_t at = 0;
+      for (const auto& e : header_.tensors) {
+        const bool ok = rec.size() >= at + 8 &&
+                        rec.find_first_not_of("0123456789abcdef", at) >= at + 8 &&
+                        (rec.size() == at + 8 || rec[at + 8] == ',');
+        if (!ok) {
+          throw FormatError(path + ": the checksum record \"" + std::string(kChecksumKey) +
+                            "\" is malformed (expected " + std::to_string(header_.tensors.size()) +
+                            " comma-separated 8-digit hex values); the header is corrupt");
+        }
+        crc32_[e.name] = static_cast<uint32_t>(std::stoul(rec.substr(at, 8), nullptr, 16));
+        at += 9;
+      }
+      if (at < rec.size() + 1 && !(header_.tensors.empty() && rec.empty())) {
+        throw FormatError(path + ": the checksum record \"" + std::string(kChecksumKey) +
+                          "\" has more values than the file has tensors; the header is corrupt");
+      }
+    }
   } catch (...) {
     ::close(fd_);
     fd_ = -1;
@@ -342,43 +373,91 @@ void SafetensorsReader::read_rows(const std::string& name, int64_t row_begin, in
   }
 }
 
+uint32_t SafetensorsReader::recorded_crc32(const std::string& name) const {
+  auto it = crc32_.find(name);
+  if (it == crc32_.end()) {
+    throw FormatError(path_ + ": no checksum recorded for tensor '" + name + "'");
+  }
+  return it->second;
+}
+
+uint32_t SafetensorsReader::crc32_of(const std::string& name) const {
+  const TensorEntry& e = entry(name);
+  std::vector<char> buf(std::min<uint64_t>(e.end - e.begin, 4u << 20));
+  uint32_t crc = 0;
+  for (uint64_t at = e.begin; at < e.end;) {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(buf.size(), e.end - at));
+    pread_exact(buf.data(), n, header_.data_start + at, name);
+    crc = crc32_update(crc, buf.data(), n);
+    at += n;
+  }
+  return crc;
+}
+
+uint32_t crc32_update(uint32_t crc, const void* data, size_t nbytes) {
+  return static_cast<uint32_t>(
+      ::crc32_z(crc, static_cast<const Bytef*>(data), static_cast<z_size_t>(nbytes)));
+}
+
+std::string crc32_hex(uint32_t crc) {
+  static const char* digits = "0123456789abcdef";
+  std::string out(8, '0');
+  for (int i = 7; i >= 0; --i, crc >>= 4) out[static_cast<size_t>(i)] = digits[crc & 0xf];
+  return out;
+}
+
 // --- writer
 
 SafetensorsWriter::SafetensorsWriter(std::string path, std::vector<TensorSpec> specs,
-                                     std::map<std::string, std::string> metadata)
-    : path_(std::move(path)), specs_(std::move(specs)) {
-  json header = json::object();
+                                     std::map<std::string, std::string> metadata,
+                                     bool checksums)
+    : path_(std::move(path)), metadata_(std::move(metadata)), checksums_(checksums),
+      specs_(std::move(specs)) {
+  if (checksums_) crc32_.assign(specs_.size(), 0);
   uint64_t offset = 0;
+  std::map<std::string, bool> seen;
   for (const auto& s : specs_) {
-    if (s.name == "__metadata__" || header.contains(s.name)) {
+    if (s.name == "__metadata__" || seen[s.name]) {
       throw FormatError(path_ + ": tensor name '" + s.name + "' is reserved or repeated");
     }
+    seen[s.name] = true;
     for (int64_t d : s.shape) {
       if (d < 0) throw FormatError(path_ + ": tensor '" + s.name + "' has a negative dimension");
     }
-    uint64_t n = static_cast<uint64_t>(s.nbytes());
-    header[s.name] = {{"dtype", dtype_name(s.dtype)},
-                      {"shape", s.shape},
-                      {"data_offsets", {offset, offset + n}}};
-    offset += n;
+    offset += static_cast<uint64_t>(s.nbytes());
     ends_.push_back(offset);
   }
-  if (!metadata.empty()) header["__metadata__"] = metadata;
-  std::string text = header.dump();
-  while ((8 + text.size()) % 8 != 0) text.push_back(' ');
+  const std::string text = header_text();
 
   tmp_path_ = path_ + ".tmp." + std::to_string(::getpid());
-  fd_ = ::open(tmp_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  // Read and write: tensors placed with write_at are read back for their checksums.
+  fd_ = ::open(tmp_path_.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd_ < 0) {
     throw FormatError(tmp_path_ + ": cannot create: " + errno_str() +
                       "; check that the checkpoint directory exists and is writable");
   }
-  uint8_t len[8];
-  uint64_t n = text.size();
-  for (int i = 0; i < 8; ++i) len[i] = static_cast<uint8_t>(n >> (8 * i));
-  write_raw(len, 8);
   write_raw(text.data(), text.size());
-  data_start_ = 8 + n;
+  data_start_ = text.size();
+}
+
+std::string SafetensorsWriter::header_text() const {
+  json header = json::object();
+  for (size_t i = 0; i < specs_.size(); ++i) {
+    const TensorSpec& s = specs_[i];
+    const uint64_t begin = i == 0 ? 0 : ends_[i - 1];
+    header[s.name] = {{"dtype", dtype_name(s.dtype)},
+                      {"shape", s.shape},
+                      {"data_offsets", {begin, ends_[i]}}};
+  }
+  std::map<std::string, std::string> metadata = metadata_;
+  if (checksums_) metadata[kChecksumKey] = checksum_record(crc32_);
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  std::string text = header.dump();
+  while ((8 + text.size()) % 8 != 0) text.push_back(' ');
+  std::string out(8, '\0');
+  const uint64_t n = text.size();
+  for (int i = 0; i < 8; ++i) out[static_cast<size_t>(i)] = static_cast<char>(n >> (8 * i));
+  return out + text;
 }
 
 SafetensorsWriter::~SafetensorsWriter() {
@@ -400,6 +479,18 @@ void SafetensorsWriter::write(const void* data, size_t nbytes) {
                       std::to_string(total) + " bytes the header declares");
   }
   write_raw(data, nbytes);
+  if (checksums_) {  // the bytes may run from one tensor into the next
+    const char* p = static_cast<const char*>(data);
+    for (uint64_t pos = written_, left = nbytes; left > 0;) {
+      const size_t t = static_cast<size_t>(
+          std::upper_bound(ends_.begin(), ends_.end(), pos) - ends_.begin());
+      const uint64_t n = std::min<uint64_t>(left, ends_[t] - pos);
+      crc32_[t] = crc32_update(crc32_[t], p, static_cast<size_t>(n));
+      p += n;
+      pos += n;
+      left -= n;
+    }
+  }
   written_ += nbytes;
 }
 
@@ -436,6 +527,42 @@ void SafetensorsWriter::commit() {
                       std::to_string(total) + " data bytes (tensor '" +
                       (t < specs_.size() ? specs_[t].name : std::string("?")) +
                       "' incomplete)");
+  }
+  if (checksums_) {
+    // Tensors past what write() wrote were placed with write_at: sum them from the file.
+    std::vector<char> buf(4u << 20);
+    for (size_t t = 0; t < specs_.size(); ++t) {
+      const uint64_t begin = t == 0 ? 0 : ends_[t - 1];
+      if (ends_[t] <= written_) continue;
+      uint32_t crc = 0;
+      for (uint64_t at = begin; at < ends_[t];) {
+        const size_t n = static_cast<size_t>(std::min<uint64_t>(buf.size(), ends_[t] - at));
+        for (size_t got = 0; got < n;) {
+          const ssize_t r = ::pread(fd_, buf.data() + got, n - got,
+                                    static_cast<off_t>(data_start_ + at + got));
+          if (r < 0 && errno == EINTR) continue;
+          if (r <= 0) throw FormatError(tmp_path_ + ": read back failed: " + errno_str());
+          got += static_cast<size_t>(r);
+        }
+        crc = crc32_update(crc, buf.data(), n);
+        at += n;
+      }
+      crc32_[t] = crc;
+    }
+    const std::string text = header_text();
+    if (text.size() != data_start_) {
+      throw FormatError(path_ + ": the header changed size when its checksums were filled in");
+    }
+    for (size_t done = 0; done < text.size();) {
+      const ssize_t w = ::pwrite(fd_, text.data() + done, text.size() - done,
+                                 static_cast<off_t>(done));
+      if (w < 0 && errno == EINTR) continue;
+      if (w < 0) {
+        throw FormatError(tmp_path_ + ": write failed: " + errno_str() +
+                          " (disk full or read-only?)");
+      }
+      done += static_cast<size_t>(w);
+    }
   }
   if (::fsync(fd_) != 0) throw FormatError(tmp_path_ + ": fsync failed: " + errno_str());
   ::close(fd_);

@@ -74,6 +74,21 @@ SafetensorsHeader parse_safetensors_header(const uint8_t* prefix, size_t prefix_
 SafetensorsHeader parse_safetensors_image(const uint8_t* data, size_t size,
                                           const std::string& what);
 
+// Note [Checkpoint checksums]
+// ---------------------------
+// A writer asked for checksums records in the header's "__metadata__" the CRC-32 of every
+// tensor's bytes: kChecksumKey -> 8 lowercase hex digits per tensor, comma-separated, in
+// data-offset order (zero-size tensors: 00000000). The CRC is zlib's crc32 (the ISO-HDLC
+// polynomial of gzip and PNG): zlib is on every machine that has libtorch, and neither crc32c
+// nor xxhash is packaged where fsdp.cpp builds; at several GB/s it costs little beside the
+// writes. The header is written first with zeros in their place and rewritten, same length,
+// when the file is committed: tensors written in order are summed from the caller's memory,
+// tensors placed with write_at are read back from the file. Readers compare what they read with
+// the record (SafetensorsReader::recorded_crc32, crc32_of). Other tools ignore the entry.
+constexpr const char* kChecksumKey = "fsdp.crc32";
+uint32_t crc32_update(uint32_t crc, const void* data, size_t nbytes);
+std::string crc32_hex(uint32_t crc);
+
 // Reads tensors from a file with pread: only the bytes asked for.
 class SafetensorsReader {
  public:
@@ -91,12 +106,18 @@ class SafetensorsReader {
   // Rows [row_begin, row_begin + rows) of dim 0 into dst.
   void read_rows(const std::string& name, int64_t row_begin, int64_t rows, void* dst,
                  size_t dst_size) const;
+  // See Note [Checkpoint checksums]: whether the file records checksums, the one recorded for
+  // `name`, and the CRC-32 of its bytes as they are on disk (read in bounded chunks).
+  bool has_checksums() const { return header_.metadata.count(kChecksumKey) > 0; }
+  uint32_t recorded_crc32(const std::string& name) const;
+  uint32_t crc32_of(const std::string& name) const;
 
  private:
   void pread_exact(void* dst, size_t n, uint64_t offset, const std::string& tensor) const;
   std::string path_;
   int fd_ = -1;
   SafetensorsHeader header_;
+  std::map<std::string, uint32_t> crc32_;  // recorded checksums by tensor name
 };
 
 // Streams tensors to `path` atomically: the header is written first (all specs are known up
@@ -106,8 +127,9 @@ class SafetensorsReader {
 // removes the temporary file: `path` is either the old file or the complete new one.
 class SafetensorsWriter {
  public:
+  // checksums: record every tensor's CRC-32 (Note [Checkpoint checksums]).
   SafetensorsWriter(std::string path, std::vector<TensorSpec> specs,
-                    std::map<std::string, std::string> metadata = {});
+                    std::map<std::string, std::string> metadata = {}, bool checksums = false);
   ~SafetensorsWriter();
   SafetensorsWriter(const SafetensorsWriter&) = delete;
   SafetensorsWriter& operator=(const SafetensorsWriter&) = delete;
@@ -126,7 +148,11 @@ class SafetensorsWriter {
 
  private:
   void write_raw(const void* data, size_t n);
+  std::string header_text() const;  // padded to a multiple of 8 with the 8 length bytes
   std::string path_;
+  std::map<std::string, std::string> metadata_;
+  bool checksums_ = false;
+  std::vector<uint32_t> crc32_;  // per tensor (write(): running; write_at: at commit)
   std::string tmp_path_;
   std::vector<TensorSpec> specs_;
   std::vector<uint64_t> ends_;  // cumulative end offset per tensor

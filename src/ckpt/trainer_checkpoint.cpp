@@ -5,6 +5,7 @@
 #include "fsdp/checkpoint.h"
 #include "fsdp/trainer.h"
 
+#include "ckpt/identity.h"
 #include "ckpt/safetensors.h"
 
 #include <c10/util/Exception.h>
@@ -96,6 +97,7 @@ void Trainer::resume_from_checkpoint() {
 }
 
 void Trainer::setup_callbacks() {
+  ckpt::current_run_id().clear();  // a fresh run unless it resumes (Note [Run identity])
   fit_callbacks_ = options_.callbacks;
   const TrainerOptions& o = options_;
   if (!o.checkpoint_dir.empty() && o.save_every_n_steps > 0) {
