@@ -3,6 +3,7 @@
 // (an existing checkpoint directory is byte-for-byte untouched).
 #include <gtest/gtest.h>
 
+#include "cli_test_util.h"
 #include "testing.h"
 
 #include <arpa/inet.h>
@@ -26,32 +27,13 @@ using fsdp::testing::run_process;
 std::string bin(const std::string& name) { return fsdp::testing::bin_path(name); }
 
 fs::path scratch() {
-  static fs::path p = [] {
-    fs::path d = fs::temp_directory_path() / ("fsdp_test_bad_input_" + std::to_string(::getpid()));
-    fs::remove_all(d);
-    fs::create_directories(d);
-    return d;
-  }();
+  static const fs::path p = fsdp::testing::fresh_scratch("fsdp_test_bad_input_");
   return p;
 }
 
-int lines(const std::string& s) {
-  return static_cast<int>(std::count(s.begin(), s.end(), '\n')) +
-         (!s.empty() && s.back() != '\n' ? 1 : 0);
-}
+int lines(const std::string& s) { return fsdp::testing::count_lines(s); }
 
-// Every file under `dir` with its size and contents: "nothing lost" compares two of these.
-std::map<std::string, std::string> snapshot(const fs::path& dir) {
-  std::map<std::string, std::string> out;
-  for (const auto& e : fs::recursive_directory_iterator(dir)) {
-    if (!e.is_regular_file()) continue;
-    std::ifstream in(e.path(), std::ios::binary);
-    std::ostringstream ss;
-    ss << in.rdbuf();
-    out[fs::relative(e.path(), dir).string()] = ss.str();
-  }
-  return out;
-}
+using fsdp::testing::snapshot;  // "nothing lost" compares two of these
 
 // A directory holding a real checkpoint (made once): bad-input runs point --checkpoint-dir at
 // it and must leave it as it was.

@@ -6,6 +6,7 @@
 #include "ckpt/safetensors.h"
 #include "fsdp/checkpoint.h"
 #include "fully_shard_common.h"
+#include "cli_test_util.h"
 #include "testing.h"
 
 #include <gtest/gtest.h>
@@ -64,18 +65,7 @@ void save_tiny(const std::string& dir, int world, const std::string& backend, in
   });
 }
 
-// Every file under `dir` (relative name -> contents).
-std::map<std::string, std::string> snapshot(const std::string& dir) {
-  std::map<std::string, std::string> out;
-  for (const auto& e : fs::recursive_directory_iterator(dir)) {
-    if (!e.is_regular_file()) continue;
-    std::ifstream in(e.path(), std::ios::binary);
-    std::stringstream ss;
-    ss << in.rdbuf();
-    out[fs::relative(e.path(), dir).string()] = ss.str();
-  }
-  return out;
-}
+using fsdp::testing::snapshot;  // "nothing lost" compares two of these
 
 fsdp::testing::ProcResult ckpt_tool(const std::vector<std::string>& args) {
   std::vector<std::string> argv = {fsdp::testing::bin_path("fsdp-ckpt")};

@@ -3,6 +3,7 @@
 // nothing behind. docs/errors.md, "Input checks: numbers, paths and the DeepSpeed config".
 #include <gtest/gtest.h>
 
+#include "cli_test_util.h"
 #include "testing.h"
 
 #include <unistd.h>
@@ -19,19 +20,11 @@ using fsdp::testing::run_process;
 std::string bin(const std::string& name) { return fsdp::testing::bin_path(name); }
 
 fs::path scratch() {
-  static fs::path p = [] {
-    fs::path d = fs::temp_directory_path() / ("fsdp_test_input_checks_" + std::to_string(::getpid()));
-    fs::remove_all(d);
-    fs::create_directories(d);
-    return d;
-  }();
+  static const fs::path p = fsdp::testing::fresh_scratch("fsdp_test_input_checks_");
   return p;
 }
 
-int lines(const std::string& s) {
-  return static_cast<int>(std::count(s.begin(), s.end(), '\n')) +
-         (!s.empty() && s.back() != '\n' ? 1 : 0);
-}
+int lines(const std::string& s) { return fsdp::testing::count_lines(s); }
 
 // A short fsdp-train run (synthetic data, one step) with `extra` flags.
 std::vector<std::string> train(std::vector<std::string> extra) {
