@@ -18,6 +18,7 @@
 // verify check every checksum (Note [Checkpoint identity] in src/ckpt/identity.h): a damaged
 // checkpoint is an error; one saved without checksums is reported as unverified (exit 0).
 #include <fsdp/checkpoint.h>
+#include <fsdp/memory.h>
 
 #include "ckpt/tools.h"
 
@@ -100,12 +101,6 @@ int inspect(const std::string& path, bool as_json) {
   return 0;
 }
 
-std::string gib(int64_t bytes) {
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), "%.2f GiB", static_cast<double>(bytes) / (1 << 30));
-  return buf;
-}
-
 // The disk tier's rank directories under `nvme_path` (Note [Swap directory ownership] in
 // src/offload/swap_owner.cpp); with `remove_stale`, removes those whose job is not running.
 int swap(const std::string& nvme_path, bool remove_stale) {
@@ -116,7 +111,8 @@ int swap(const std::string& nvme_path, bool remove_stale) {
     for (const auto& f : r.kept_files) {
       std::cout << "kept " << f << " (not written by the disk tier)\n";
     }
-    std::cout << r.removed_dirs.size() << " stale swap directories removed, " << gib(r.removed_bytes)
+    std::cout << r.removed_dirs.size() << " stale swap directories removed, "
+              << fsdp::format_bytes(r.removed_bytes)
               << " freed\n";
     return 0;
   }
@@ -129,7 +125,7 @@ int swap(const std::string& nvme_path, bool remove_stale) {
     } else {
       std::cout << "left by a process that recorded no owner";
     }
-    std::cout << "; " << e.swap_files << " swap files, " << gib(e.swap_bytes);
+    std::cout << "; " << e.swap_files << " swap files, " << fsdp::format_bytes(e.swap_bytes);
     if (!e.other_files.empty()) std::cout << "; " << e.other_files.size() << " other files";
     std::cout << "\n";
     stale += e.running ? 0 : 1;

@@ -22,6 +22,8 @@
 // that instant retries for half a second before it calls the directory taken.
 #include "offload/swap_owner.h"
 
+#include "fsdp/memory.h"
+
 #include <c10/util/Exception.h>
 
 #include <fcntl.h>
@@ -62,12 +64,6 @@ std::string utc_now() {
   ::gmtime_r(&t, &tm);
   char buf[32];
   std::strftime(buf, sizeof(buf), "%Y-%m-%dT%H:%M:%SZ", &tm);
-  return buf;
-}
-
-std::string gib(int64_t bytes) {
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), "%.2f GiB", static_cast<double>(bytes) / (1 << 30));
   return buf;
 }
 
@@ -338,7 +334,7 @@ std::string stale_swap_notice(const std::string& nvme_path, const std::string& o
   if (jobs.size() > 5) names += ", ...";
   return "[nvme] " + std::to_string(dirs) + " swap director" + (dirs == 1 ? "y" : "ies") +
          " under '" + nvme_path + "' belong to jobs that are not running (" + names + "; " +
-         gib(bytes) + "); remove them with: fsdp-ckpt swap --remove-stale " + nvme_path;
+         format_bytes(bytes) + "); remove them with: fsdp-ckpt swap --remove-stale " + nvme_path;
 }
 
 }  // namespace fsdp::detail
