@@ -9,7 +9,6 @@
 #include "fsdp/comm.h"
 #include "fsdp/memory.h"
 #include "fsdp/precision.h"
-#include "train/csv_logger.h"
 #include "train/metrics.h"
 #include "train/progress_bar.h"
 
@@ -21,6 +20,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
 #include <iomanip>
 #include <iostream>
 #include <sstream>
@@ -280,13 +280,29 @@ struct Trainer::FitLoop {
   Clock::time_point loop_start;
   Clock::time_point first_step_done;
   // Reporting.
-  std::unique_ptr<detail::CsvLogger> csv;
+  std::vector<LoggerPtr> loggers;  // global rank 0 only
   std::unique_ptr<detail::ProgressBar> bar;
   detail::MetricTracker metrics;
 
   FitLoop(LightningModule& m, DataLoader& train, DataLoader* val, OptimizerConfig o,
           Strategy& strategy)
       : module(m), train_loader(train), val_loader(val), opt(std::move(o)), metrics(strategy) {}
+  // Also when fit ends with an error: what was logged is on disk.
+  ~FitLoop() {
+    for (const auto& l : loggers) {
+      try {
+        l->finalize();
+      } catch (const std::exception&) {
+      }
+    }
+  }
+  FitLoop(const FitLoop&) = delete;
+  FitLoop& operator=(const FitLoop&) = delete;
+
+  void log_row(const std::map<std::string, double>& row, int64_t step, int64_t epoch) {
+    if (row.empty()) return;
+    for (const auto& l : loggers) l->log_metrics(row, step, epoch);
+  }
   double loss_sum = 0;  // this rank's undivided training losses since the last step
   // This step's parts so far (FitResults::forward_seconds ...) and the comm-thread clock at the
   // end of the last step.
@@ -360,7 +376,7 @@ void Trainer::fit_impl(LightningModule& module, DataLoader& train_loader,
     }
 
     auto epoch_values = L.metrics.finish_epoch();
-    if (L.csv && !epoch_values.empty()) L.csv->log(global_step_, epoch, epoch_values);
+    L.log_row(epoch_values, global_step_, epoch);
     for (const auto& kv : epoch_values) results_.metrics[kv.first] = kv.second;
     for (const auto& kv : epoch_values) callback_metrics_[kv.first] = kv.second;
     for (const auto& cb : fit_callbacks_) cb->on_train_epoch_end(*this, module);
@@ -443,8 +459,21 @@ std::unique_ptr<Trainer::FitLoop> Trainer::setup_fit(LightningModule& module,
   L.run_val = val_loader != nullptr && o.limit_val_batches != 0;
 
   if (is_global_zero() && o.logger) {
-    L.csv = std::make_unique<detail::CsvLogger>(o.default_root_dir);
-    results_.log_dir = L.csv->dir();
+    if (o.loggers.empty()) {
+      // The defaults share one version_N: the CSV logger picks it, TensorBoard's joins it.
+      auto csv = std::make_shared<CSVLogger>(o.default_root_dir);
+      csv->setup();
+      const std::string version = std::filesystem::path(csv->log_dir()).filename().string();
+      L.loggers = {csv, std::make_shared<TensorBoardLogger>(
+                            o.default_root_dir, std::stoll(version.substr(8)))};
+    } else {
+      L.loggers = o.loggers;
+    }
+    for (const auto& l : L.loggers) {
+      TORCH_CHECK(l, "[Trainer] TrainerOptions::loggers holds a null logger");
+      l->setup();
+    }
+    results_.log_dir = L.loggers.front()->log_dir();
   }
   if (is_global_zero() && o.enable_progress_bar) {
     L.bar = std::make_unique<detail::ProgressBar>(
@@ -543,10 +572,7 @@ void Trainer::report_step(FitLoop& L) {
   for (const auto& kv : L.metrics.step_values()) callback_metrics_[kv.first] = kv.second;
   results_.steps = global_step_;
   L.last_loss = global_loss;
-  if (L.csv && log_now) {
-    auto row = L.metrics.step_values();
-    if (!row.empty()) L.csv->log(global_step_, current_epoch_, row);
-  }
+  if (log_now) L.log_row(L.metrics.step_values(), global_step_, current_epoch_);
 }
 
 // Validation inside fit (val_check_interval, or the end of an epoch).
@@ -554,7 +580,7 @@ void Trainer::validate_during_fit(FitLoop& L) {
   auto val = evaluate(L.module, *L.val_loader, "val");
   L.module.on_validation_epoch_end();
   L.module.train();
-  if (L.csv && !val.empty()) L.csv->log(global_step_, current_epoch_, val);
+  L.log_row(val, global_step_, current_epoch_);
   for (const auto& kv : val) results_.metrics[kv.first] = kv.second;
   for (const auto& kv : val) callback_metrics_[kv.first] = kv.second;
   L.metrics.set_progress_bar_extra(val);
