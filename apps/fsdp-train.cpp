@@ -62,6 +62,7 @@ struct Args {
   std::string save_batches;          // write the run's micro-batches (every rank's) here and exit
   std::string save_initial_weights;  // rank 0 writes the weights training starts from here
   std::string ckpt_path;
+  std::string logger = "csv,tensorboard";  // --logger
 
   Args() {  // this program's defaults where they differ from the library's
     common.trainer.max_steps = 100;
@@ -147,6 +148,13 @@ fsdp::TrainerOptions trainer_options(const Args& a, const CommonFlags& flags,
   fsdp::TrainerOptions t = a.common.trainer;
   t.strategy = flags.make_strategy(flags.strategy_options(a.model.layer_types()));
   *recorders = fsdp::app::add_run_recorders(t);
+  if (a.logger == "none") {
+    t.logger = false;
+  } else if (a.logger == "csv") {
+    t.loggers = {std::make_shared<fsdp::CSVLogger>(t.default_root_dir)};
+  } else if (a.logger == "tensorboard") {
+    t.loggers = {std::make_shared<fsdp::TensorBoardLogger>(t.default_root_dir)};
+  }  // "csv,tensorboard": the Trainer's default loggers
   if (!a.save_initial_weights.empty()) {
     t.callbacks.push_back(std::make_shared<InitialWeightsWriter>(a.save_initial_weights));
   }
@@ -313,10 +321,13 @@ int main(int argc, char** argv) {
   app.add_option("--val-check-interval", t.val_check_interval,
                  "validate every N training batches (>=1), a fraction of the epoch (0,1), or at epoch end (0)")
       ->check(at_least(0.0));
-  app.add_option("--log-every", t.log_every_n_steps, "log_every_n_steps: CSV rows and non-terminal progress lines")
+  app.add_option("--log-every", t.log_every_n_steps, "log_every_n_steps: logged rows and non-terminal progress lines")
       ->check(at_least(int64_t{1}));
-  app.add_option("--default-root-dir", t.default_root_dir, "CSV logs go to DIR/version_N/metrics.csv")
+  app.add_option("--default-root-dir", t.default_root_dir, "logs go to DIR/version_N (metrics.csv, TensorBoard events)")
       ->check(fsdp::cli::output_dir());
+  app.add_option("--logger", a.logger,
+                 "csv,tensorboard (both, in one DIR/version_N), csv, tensorboard, or none")
+      ->check(one_of({"csv,tensorboard", "csv", "tensorboard", "none"}));
   app.option_defaults()->group("Model");
   const std::vector<std::string> models = [] {
     auto v = fsdp::demos::model_names();
