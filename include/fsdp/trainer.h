@@ -148,6 +148,9 @@ struct FitResults {
   double seconds = 0;              // wall time of the training loop
   double it_per_s = 0;             // optimizer steps per second, first step (warm-up) excluded
   int64_t skipped_steps = 0;       // "16-mixed": optimizer steps the grad scaler skipped (inf/nan)
+  // Per optimizer step, with gradient_clip_val > 0: the global L2 norm of the gradients before
+  // clipping (what transformers logs as grad_norm).
+  std::vector<double> grad_norms;
   // Per optimizer step: seconds from the start of the training loop to the end of the step
   // (after its loss was averaged over the ranks, a synchronization point), on this rank's
   // clock. Benchmarks compute it/s over any warm-up from it, as they do for their peers.

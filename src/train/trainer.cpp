@@ -533,7 +533,7 @@ void Trainer::optimizer_step(FitLoop& L) {
   if (grad_scaler_) grad_scaler_->unscale(*L.opt.optimizer);
   L.module.on_before_optimizer_step(*L.opt.optimizer);
   if (options_.gradient_clip_val > 0) {
-    strategy_->clip_grad_norm(L.module, options_.gradient_clip_val);
+    results_.grad_norms.push_back(strategy_->clip_grad_norm(L.module, options_.gradient_clip_val));
   }
   if (grad_scaler_) {
     grad_scaler_->step(*L.opt.optimizer, [&] { strategy_->optimizer_step(*L.opt.optimizer); });
