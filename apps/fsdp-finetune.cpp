@@ -524,13 +524,7 @@ int run(const Args& a, const fsdp::app::CommonFlags& flags) {
   t.default_root_dir = a.logging_dir.empty() ? a.output_dir : a.logging_dir;
   t.gradient_clip_val = a.max_grad_norm;
   if (a.bf16) t.precision = "bf16-mixed";
-  if (a.report_to == "none") {
-    t.logger = false;
-  } else if (a.report_to == "csv") {
-    t.loggers = {std::make_shared<fsdp::CSVLogger>(t.default_root_dir)};
-  } else if (a.report_to == "tensorboard") {
-    t.loggers = {std::make_shared<fsdp::TensorBoardLogger>(t.default_root_dir)};
-  }  // all: the Trainer's default loggers (CSV and TensorBoard in one version_N)
+  fsdp::app::set_loggers(t, a.report_to);
   const fsdp::HfLoadOptions lo = load_options(a);
   const std::string name = a.preset.empty() ? a.model_dir : a.preset;
   t.callbacks.push_back(std::make_shared<AdapterCheckpoint>(a, *lo.lora, name));

@@ -148,13 +148,7 @@ fsdp::TrainerOptions trainer_options(const Args& a, const CommonFlags& flags,
   fsdp::TrainerOptions t = a.common.trainer;
   t.strategy = flags.make_strategy(flags.strategy_options(a.model.layer_types()));
   *recorders = fsdp::app::add_run_recorders(t);
-  if (a.logger == "none") {
-    t.logger = false;
-  } else if (a.logger == "csv") {
-    t.loggers = {std::make_shared<fsdp::CSVLogger>(t.default_root_dir)};
-  } else if (a.logger == "tensorboard") {
-    t.loggers = {std::make_shared<fsdp::TensorBoardLogger>(t.default_root_dir)};
-  }  // "csv,tensorboard": the Trainer's default loggers
+  fsdp::app::set_loggers(t, a.logger);
   if (!a.save_initial_weights.empty()) {
     t.callbacks.push_back(std::make_shared<InitialWeightsWriter>(a.save_initial_weights));
   }

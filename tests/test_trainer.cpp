@@ -98,6 +98,33 @@ fsdp::TrainerOptions quiet_options(const std::string& name) {
 
 using fsdp::testing::error_of;
 
+// metrics.csv as {column: [(step, value)]}, empty cells left out.
+std::map<std::string, std::vector<std::pair<int64_t, double>>> read_metrics_csv(
+    const std::string& path) {
+  std::ifstream f(path);
+  EXPECT_TRUE(f) << path;
+  std::string line;
+  std::getline(f, line);
+  std::vector<std::string> cols;
+  {
+    std::stringstream ss(line);
+    for (std::string c; std::getline(ss, c, ',');) cols.push_back(c);
+  }
+  std::map<std::string, std::vector<std::pair<int64_t, double>>> out;
+  while (std::getline(f, line)) {
+    std::vector<std::string> cells;
+    std::stringstream ss(line);
+    for (std::string c; std::getline(ss, c, ',');) cells.push_back(c);
+    cells.resize(cols.size());
+    const int64_t step = std::stoll(cells[0]);
+    for (size_t i = 2; i < cols.size(); ++i) {
+      if (!cells[i].empty()) out[cols[i]].push_back({step, std::stod(cells[i])});
+    }
+  }
+  return out;
+}
+
+
 TEST(Trainer, FitRunsMaxStepsAndRecordsFiniteLosses) {
   auto data = corpus();
   auto train = loader(data);
@@ -305,26 +332,8 @@ TEST(Trainer, FitValidatesAtTheConfiguredInterval) {
   trainer.fit(model, train, val);
   const auto& r = trainer.results();
   ASSERT_EQ(r.metrics.count("val_loss"), 1u);
-  std::ifstream f(r.log_dir + "/metrics.csv");
-  std::string line;
-  int val_rows = 0;
-  std::getline(f, line);
-  std::vector<std::string> cols;
-  {
-    std::stringstream ss(line);
-    std::string c;
-    while (std::getline(ss, c, ',')) cols.push_back(c);
-  }
-  auto col = std::find(cols.begin(), cols.end(), "val_loss") - cols.begin();
-  ASSERT_LT(col, static_cast<long>(cols.size()));
-  while (std::getline(f, line)) {
-    std::vector<std::string> cells;
-    std::stringstream ss(line);
-    std::string c;
-    while (std::getline(ss, c, ',')) cells.push_back(c);
-    if (static_cast<long>(cells.size()) > col && !cells[col].empty()) ++val_rows;
-  }
-  EXPECT_EQ(val_rows, 2);  // after training batches 2 and 4
+  const auto val_rows = read_metrics_csv(r.log_dir + "/metrics.csv")["val_loss"].size();
+  EXPECT_EQ(val_rows, 2u);  // after training batches 2 and 4
 }
 
 TEST(Trainer, CsvLoggerWritesLoggedColumnsInNewVersions) {
@@ -353,32 +362,6 @@ TEST(Trainer, CsvLoggerWritesLoggedColumnsInNewVersions) {
     double logged = std::stod(rows[2].substr(rows[2].rfind(',') + 1));
     EXPECT_NEAR(logged, trainer.results().losses[5], 1e-6);
   }
-}
-
-// metrics.csv as {column: [(step, value)]}, empty cells left out.
-std::map<std::string, std::vector<std::pair<int64_t, double>>> read_metrics_csv(
-    const std::string& path) {
-  std::ifstream f(path);
-  EXPECT_TRUE(f) << path;
-  std::string line;
-  std::getline(f, line);
-  std::vector<std::string> cols;
-  {
-    std::stringstream ss(line);
-    for (std::string c; std::getline(ss, c, ',');) cols.push_back(c);
-  }
-  std::map<std::string, std::vector<std::pair<int64_t, double>>> out;
-  while (std::getline(f, line)) {
-    std::vector<std::string> cells;
-    std::stringstream ss(line);
-    for (std::string c; std::getline(ss, c, ',');) cells.push_back(c);
-    cells.resize(cols.size());
-    const int64_t step = std::stoll(cells[0]);
-    for (size_t i = 2; i < cols.size(); ++i) {
-      if (!cells[i].empty()) out[cols[i]].push_back({step, std::stod(cells[i])});
-    }
-  }
-  return out;
 }
 
 TEST(Loggers, Crc32cIsCastagnoli) {
