@@ -3,6 +3,8 @@
 #include "fsdp/checkpoint.h"
 #include "fsdp/trainer.h"
 
+#include "ckpt/identity.h"
+#include "ckpt/run_records.h"
 #include "ckpt/safetensors.h"
 
 #include <c10/util/Exception.h>
@@ -133,14 +135,19 @@ std::string ModelCheckpoint::format_checkpoint_name(
 
 // A name not used yet in dirpath (Lightning appends -v1, -v2, ... on a collision). Rank 0
 // looks at the directory and broadcasts the version, so every rank saves to the same path.
+// A name whose .partial this run left (Note [Interrupted saves] in src/ckpt/run_records.h) is
+// free: the save removes and reuses it.
 std::string ModelCheckpoint::unique_path(Trainer& trainer, const std::string& name) const {
   const fs::path dir(options_.dirpath);
   int64_t version = 0;
   if (trainer.is_global_zero()) {
     std::error_code ec;
+    const std::string& run = ckpt::current_or_new_run_id();
     auto taken = [&](const std::string& n) {
+      const fs::path partial = dir / (n + ".partial");
       return fs::exists(fs::symlink_status(dir / n, ec)) ||
-             fs::exists(dir / (n + ".partial"), ec);
+             (fs::exists(fs::symlink_status(partial, ec)) &&
+              !ckpt::partial_reusable(partial, run, n));
     };
     while (taken(version == 0 ? name : name + "-v" + std::to_string(version))) ++version;
   }
@@ -156,6 +163,7 @@ void ModelCheckpoint::on_fit_start(Trainer& trainer, LightningModule&) {
   // A resumed fit does not save the step it resumed from again.
   last_global_step_saved_ = trainer.global_step();
   validated_epoch_ = -1;
+  last_link_.clear();  // claimed at this fit's first save (Note [One last per run])
   if (trainer.is_global_zero()) {
     std::error_code ec;
     fs::create_directories(options_.dirpath, ec);
@@ -297,7 +305,12 @@ void ModelCheckpoint::save_now(Trainer& trainer) {
   if (!saved.empty()) trainer.save_checkpoint(saved);
   if (!own_last.empty()) trainer.save_checkpoint(own_last);
   if (zero && o.save_last && !last_model_path_.empty() && (!saved.empty() || !own_last.empty())) {
-    point_symlink(o.dirpath, "last", fs::path(last_model_path_).filename().string());
+    if (last_link_.empty()) {  // See Note [One last per run] in src/ckpt/run_records.h.
+      ckpt::LastLink link = ckpt::claim_last(o.dirpath, ckpt::current_or_new_run_id());
+      if (!link.warning.empty()) std::cerr << link.warning << "\n";
+      last_link_ = link.name;
+    }
+    point_symlink(o.dirpath, last_link_, fs::path(last_model_path_).filename().string());
   }
   if (zero) {
     for (const auto& path : evicted) delete_entry(path);
