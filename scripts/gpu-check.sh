@@ -12,7 +12,7 @@
 #   FSDP_GPU_JOBS     compile jobs                          (nproc)
 #   FSDP_GPU_ARCH     TORCH_CUDA_ARCH_LIST                  (9.0: H100/H200)
 #   FSDP_GPU_DEPS     the unpacked packages of gpu-deps.sh  (gpu-deps)
-#   FSDP_GPU_CONFIGURE_S / FSDP_GPU_BUILD_S / FSDP_GPU_TEST_S  stage limits (90 / 330 / 90 s)
+#   FSDP_GPU_CONFIGURE_S / FSDP_GPU_BUILD_S / FSDP_GPU_TEST_S  stage limits (60 / 390 / 60 s)
 set -uo pipefail
 root=$(pwd)
 py=${FSDP_GPU_PYTHON:-/opt/torch/.venv/bin/python3}
@@ -64,17 +64,17 @@ export LD_LIBRARY_PATH="$deps/usr/lib:$deps/usr/lib/x86_64-linux-gnu:$deps/lib/x
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 || true
 } >> "$log"
 
-stage configure "${FSDP_GPU_CONFIGURE_S:-90}" \
+stage configure "${FSDP_GPU_CONFIGURE_S:-60}" \
   cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DFSDP_VENV="$(dirname "$(dirname "$py")")" -DFSDP_PYTHON="$py" \
     -DCMAKE_PREFIX_PATH="$deps/usr;$torch_prefix" -DFSDP_WITH_CUDA=ON -DFSDP_WITH_MPI=OFF \
     -DFSDP_BUILD_BENCH=OFF -DFSDP_BUILD_EXAMPLES=OFF -DFSDP_INSTALL=OFF \
-    -DFSDP_NCCL_ROOT="$nccl_root" -DCUDAToolkit_ROOT="$cuda_home" \
+    -DFSDP_NCCL_ROOT="$nccl_root" -DCUDAToolkit_ROOT="$cuda_home" -DCUDA_TOOLKIT_ROOT_DIR="$cuda_home" \
     -DCMAKE_CUDA_COMPILER="$cuda_home/bin/nvcc" -DCUDA_nvrtc_LIBRARY="$nvrtc" \
     -DTORCH_CUDA_ARCH_LIST="$arch"
-stage build "${FSDP_GPU_BUILD_S:-330}" \
+stage build "${FSDP_GPU_BUILD_S:-390}" \
   cmake --build "$build" -j "$jobs" --target fsdp fsdp-train fsdp-gpu-tests
-stage test "${FSDP_GPU_TEST_S:-90}" \
+stage test "${FSDP_GPU_TEST_S:-60}" \
   ctest --test-dir "$build" -L gpu --output-on-failure --timeout 60 --output-junit "$(cd "$out" && pwd)/gpu-tests.xml"
 
 # Pass/skip/fail counts from ctest's summary, when the test stage ran.
