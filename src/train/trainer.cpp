@@ -4,8 +4,10 @@
 #include "fsdp/offload.h"
 
 #include "comm/backend_choice.h"
+#include "common/device_choice.h"
 #include "common/settings.h"
 #include "common/text.h"
+#include "cuda/cuda_api.h"
 #include "fsdp/comm.h"
 #include "fsdp/memory.h"
 #include "fsdp/precision.h"
@@ -13,7 +15,6 @@
 #include "train/progress_bar.h"
 
 #include <c10/util/Exception.h>
-#include <torch/cuda.h>
 #include <torch/utils.h>
 
 #include <algorithm>
@@ -29,27 +30,23 @@
 namespace fsdp {
 namespace {
 
-const std::vector<std::string> kAccelerators = {"cpu", "auto", "cuda", "gpu"};
-
 bool contains(const std::vector<std::string>& v, const std::string& x) {
   return std::find(v.begin(), v.end(), x) != v.end();
 }
 
 void check_precision(const std::string& p) { check_precision_supported(parse_precision(p)); }
 
-void check_accelerator(const std::string& a) {
-  if (a == "cpu" || a == "auto") return;
-  if (a == "cuda" || a == "gpu") {
-    TORCH_CHECK(torch::cuda::is_available(), "[Trainer] accelerator '", a,
-                "' needs a CUDA build of libtorch and a visible GPU, but "
-                "torch::cuda::is_available() is false (this libtorch is CPU-only or no GPU is "
-                "visible). Use accelerator='cpu' (--accelerator cpu).");
-    TORCH_CHECK(false, "[Trainer] accelerator '", a,
-                "': CUDA devices are detected, but the CUDA path of fsdp.cpp is not implemented "
-                "yet. Use accelerator='cpu'.");
-  }
-  TORCH_CHECK(false, "[Trainer] unknown accelerator '", a, "'; valid values: ",
-              detail::quoted_list(kAccelerators));
+// The device rules live in src/common/device_choice.h. A CUDA device chosen is refused here:
+// the strategies, optimizers and checkpoints still assume CPU tensors (docs/gpu.md).
+void check_accelerator(const TrainerOptions& o) {
+  const detail::DeviceFacts facts{detail::cuda_built(), detail::cuda_device_count()};
+  const detail::DeviceChoice choice = detail::choose_device(
+      o.accelerator, /*local_rank=*/0, std::max(o.devices, 1), o.process_group_backend, facts);
+  TORCH_CHECK(!choice.cuda, "[Trainer] accelerator '", o.accelerator, "' chose cuda:",
+              choice.index, ", but training is not on CUDA yet: this build has the NCCL process "
+              "group, device selection and device memory statistics, while the strategies, "
+              "optimizers and checkpoints still assume CPU tensors (docs/gpu.md). Use "
+              "accelerator='cpu' (--accelerator cpu).");
 }
 
 void check_limit(const char* name, double v) {
@@ -80,7 +77,7 @@ bool announces_backend(const detail::Settings& settings) {
 }
 
 void check_options(const TrainerOptions& o) {
-  check_accelerator(o.accelerator);
+  check_accelerator(o);
   check_precision(o.precision);
   TORCH_CHECK(o.devices >= 1, "[Trainer] devices must be >= 1, got ", o.devices);
   TORCH_CHECK(o.num_nodes >= 1, "[Trainer] num_nodes must be >= 1, got ", o.num_nodes);
@@ -143,7 +140,7 @@ void seed_everything(uint64_t seed) {
 
 std::vector<std::string> Trainer::precision_names() { return fsdp::precision_names(); }
 
-std::vector<std::string> Trainer::accelerator_names() { return kAccelerators; }
+std::vector<std::string> Trainer::accelerator_names() { return detail::kAcceleratorNames; }
 
 Trainer::Trainer(TrainerOptions options) : options_(std::move(options)) {
   // Checked before launching, so a bad option or setting fails once in the parent, not in
