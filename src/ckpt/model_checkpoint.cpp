@@ -12,6 +12,8 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <iostream>
 #include <limits>
@@ -35,19 +37,22 @@ std::string sanitize(std::string s) {
 // renamed over the old one. A `last` that is a real directory (written by an older version) is
 // moved away first.
 void point_symlink(const fs::path& dir, const std::string& link, const std::string& target) {
-  const fs::path tmp = dir / ("." + link + ".tmp." + std::to_string(::getpid()));
+  const fs::path dst = dir / link;
   std::error_code ec;
+  // Only a link is replaced: a real file or directory under that name is not this callback's
+  // (Note [Writers never destroy] in src/ckpt/output.h).
+  const fs::file_status st = fs::symlink_status(dst, ec);
+  TORCH_CHECK(!fs::exists(st) || fs::is_symlink(st), "[ModelCheckpoint] ", dst.string(),
+              " is a ", fs::is_directory(st) ? "directory" : "file",
+              ", not the link this callback keeps pointing at the newest checkpoint; move it "
+              "away (it is never removed) and save again");
+  const fs::path tmp = dir / ("." + link + ".tmp." + std::to_string(::getpid()));
   fs::remove(tmp, ec);
   fs::create_directory_symlink(target, tmp, ec);
   TORCH_CHECK(!ec, "[ModelCheckpoint] cannot create symlink ", tmp.string(), ": ", ec.message(),
               "; check that ", dir.string(), " is writable");
-  const fs::path dst = dir / link;
-  if (fs::is_directory(fs::symlink_status(dst, ec))) {
-    fs::rename(dst, dir / ("." + link + ".old"), ec);
-  }
   TORCH_CHECK(std::rename(tmp.c_str(), dst.c_str()) == 0, "[ModelCheckpoint] cannot update ",
-              dst.string());
-  fs::remove_all(dir / ("." + link + ".old"), ec);
+              dst.string(), ": ", std::strerror(errno));
   ckpt::fsync_dir(dir.string());
 }
 
