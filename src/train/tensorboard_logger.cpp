@@ -16,6 +16,7 @@
 #include "train/tensorboard_logger.h"
 
 #include "fsdp/logger.h"
+#include "common/process.h"
 #include "train/csv_logger.h"
 
 #include <c10/util/Exception.h>
@@ -65,12 +66,6 @@ void put_bytes_field(std::string& out, int field, const std::string& bytes) {
 double now_seconds() {
   using namespace std::chrono;
   return duration<double>(system_clock::now().time_since_epoch()).count();
-}
-
-std::string host_name() {
-  char buf[256] = {};
-  if (::gethostname(buf, sizeof(buf) - 1) != 0) return "localhost";
-  return buf;
 }
 
 }  // namespace
