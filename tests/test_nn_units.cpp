@@ -26,7 +26,7 @@ using fsdp::testing::LoopConfig;
 namespace {
 
 constexpr int64_t kDim = 32;
-constexpr int64_t kHidden = 128;
+constexpr int64_t kHidden = 512;
 
 // A user's own block, written with torch::nn only.
 struct MlpBlockImpl : torch::nn::Module {
@@ -75,8 +75,10 @@ struct PlainNet : fsdp::LightningModule {
     return at::nll_loss(out.reshape({-1, kVocab}), batch.target.reshape(-1));
   }
   fsdp::OptimizerConfig configure_optimizers() override {
-    return {std::make_shared<torch::optim::Adam>(parameters(),
-                                                 torch::optim::AdamOptions(1e-3).eps(1e-3))};
+    fsdp::OptimizerConfig config;
+    config.optimizer =
+        std::make_shared<torch::optim::Adam>(parameters(), torch::optim::AdamOptions(1e-3).eps(1e-3));
+    return config;
   }
 };
 
