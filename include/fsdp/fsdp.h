@@ -24,3 +24,4 @@
 #include "fsdp/strategy.h"
 #include "fsdp/strategy_registry.h"
 #include "fsdp/trainer.h"
+#include "fsdp/unit.h"

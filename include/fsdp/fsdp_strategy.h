@@ -29,6 +29,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace fsdp {
@@ -56,7 +57,10 @@ BackwardPrefetch parse_backward_prefetch(const std::string& name);  // "pre" | "
 const char* to_string(BackwardPrefetch prefetch);
 
 // Which modules become units. Only fsdp::nn::Module instances can be units (they have the call
-// hooks); the root module never is (its leftover parameters form the root unit).
+// hooks); a plain torch::nn module gets them from a unit holder (fsdp::nn::unit,
+// fsdp::nn::unit_children in fsdp/unit.h), which the type policy matches by the wrapped
+// module's type. The root module never is a unit (its leftover parameters form the root unit);
+// setup warns when no unit is found below it.
 struct AutoWrapPolicy {
   enum class Kind { kNone, kTypes, kSize, kPredicate };
   Kind kind = Kind::kNone;
@@ -253,16 +257,29 @@ class FSDPStrategy : public Strategy {
 std::vector<std::string> fsdp_strategy_names();
 std::shared_ptr<FSDPStrategy> make_fsdp_strategy(const std::string& name, FSDPOptions options = {});
 
-// Manual wrapping inside configure_model: marks `module` as a unit when the strategy running
-// configure_model is an FSDPStrategy, does nothing otherwise. A model with manual wraps is not
-// re-wrapped by the auto-wrap policy. Returns the module.
-template <typename M>
-std::shared_ptr<M> wrap(std::shared_ptr<M> module);
+// Manual wrapping inside configure_model: marks `module` (a std::shared_ptr to an
+// fsdp::nn::Module, unit holders included) as a unit when the strategy running configure_model
+// is an FSDPStrategy, does nothing otherwise. A model with manual wraps is not re-wrapped by the
+// auto-wrap policy. Returns the module.
 void wrap_module(fsdp::nn::Module& module);
 
+namespace detail {
+template <typename T>
+inline constexpr bool is_hooked_module_ptr = false;
 template <typename M>
-std::shared_ptr<M> wrap(std::shared_ptr<M> module) {
-  wrap_module(*module);
+inline constexpr bool is_hooked_module_ptr<std::shared_ptr<M>> =
+    std::is_base_of_v<fsdp::nn::Module, M>;
+}  // namespace detail
+
+template <typename T>
+T wrap(T module) {
+  static_assert(detail::is_hooked_module_ptr<T>,
+                "fsdp::wrap takes a std::shared_ptr to an fsdp::nn::Module, which has the call "
+                "hooks a unit needs. A plain torch::nn module (torch::nn::Linear, your own "
+                "torch::nn::Module subclass, seq->ptr(i)) gets them from a unit holder: "
+                "fsdp::wrap(fsdp::nn::unit(module)), registered where the module was; a "
+                "torch::nn::Sequential's children: fsdp::nn::unit_children(seq) (fsdp/unit.h).");
+  if constexpr (detail::is_hooked_module_ptr<T>) wrap_module(*module);
   return module;
 }
 

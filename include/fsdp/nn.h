@@ -4,7 +4,9 @@
 // unit, post-forward reshards it and arms the backward hooks. Modules that FSDP may wrap (the
 // demo models' layers, your own blocks) derive from fsdp::nn::Module and implement
 // `forward(const Inputs&)`; callers use `(*module)(x, mask)` or `module->call({x, mask})`.
-// Plain torch::nn modules can live inside such a module as usual.
+// Plain torch::nn modules can live inside such a module as usual, and a plain torch::nn module
+// becomes a unit candidate through a holder (fsdp::nn::unit, fsdp::nn::unit_children in
+// fsdp/unit.h) without being rewritten.
 #pragma once
 
 #include <torch/nn/module.h>
@@ -12,10 +14,25 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <typeindex>
 #include <unordered_set>
 #include <utility>
 #include <vector>
+
+namespace fsdp::detail {
+
+// The module type a module handle (torch::nn::ModuleHolder) holds; any other type itself.
+template <typename T, typename = void>
+struct HandledType {
+  using type = T;
+};
+template <typename T>
+struct HandledType<T, std::void_t<typename T::ContainedType>> {
+  using type = typename T::ContainedType;
+};
+
+}  // namespace fsdp::detail
 
 namespace fsdp::nn {
 
@@ -60,14 +77,16 @@ class Module : public torch::nn::Module {
 
 // A set of module types, for wrap and activation-checkpointing policies:
 //   fsdp::nn::ModuleTypes types = fsdp::nn::module_types<EncoderLayer, DecoderLayer>();
+// A module handle names its module type: module_types<torch::nn::Linear>() is
+// module_types<torch::nn::LinearImpl>().
 using ModuleTypes = std::unordered_set<std::type_index>;
 template <typename... Ts>
 ModuleTypes module_types() {
-  return ModuleTypes{std::type_index(typeid(Ts))...};
+  return ModuleTypes{std::type_index(typeid(typename fsdp::detail::HandledType<Ts>::type))...};
 }
-inline bool is_instance_of(const torch::nn::Module& m, const ModuleTypes& types) {
-  return types.count(std::type_index(typeid(m))) > 0;
-}
+// Whether `m`'s type is in `types`; a unit holder (fsdp/unit.h) also matches by the type of the
+// module it wraps.
+bool is_instance_of(const torch::nn::Module& m, const ModuleTypes& types);
 
 // --- Construction notifications (deferred initialization; see fsdp/init.h).
 //

@@ -104,17 +104,20 @@ void FsdpState::shard_deferred_unit(fsdp::nn::Module& module) {
   std::function<void(torch::nn::Module&, const std::string&)> visit =
       [&](torch::nn::Module& m, const std::string& prefix) {
         if (!visited.insert(&m).second) return;
-        for (auto& item : registered_parameters(m)) {
-          const at::Tensor& tensor = item.value();
-          if (!tensor.defined()) continue;
-          if (!deferred_taken_.insert({&m, item.key()}).second) continue;  // a nested unit's
-          FsdpParam::Registration reg{&m, item.key(), prefix + item.key()};
-          auto found = seen.find(tensor.unsafeGetTensorImpl());
-          if (found != seen.end()) {
-            found->second->add_registration(std::move(reg));
-            continue;
+        // See Note [Unit holders] in src/nn/unit.cpp: a holder's parameters live in two dicts.
+        for (torch::nn::Module* owner : parameter_owners(m)) {
+          for (auto& item : registered_parameters(*owner)) {
+            const at::Tensor& tensor = item.value();
+            if (!tensor.defined()) continue;
+            if (!deferred_taken_.insert({owner, item.key()}).second) continue;  // a nested unit's
+            FsdpParam::Registration reg{owner, item.key(), prefix + item.key()};
+            auto found = seen.find(tensor.unsafeGetTensorImpl());
+            if (found != seen.end()) {
+              found->second->add_registration(std::move(reg));
+              continue;
+            }
+            seen[tensor.unsafeGetTensorImpl()] = &unit->add_param(tensor, std::move(reg));
           }
-          seen[tensor.unsafeGetTensorImpl()] = &unit->add_param(tensor, std::move(reg));
         }
         for (auto& child : m.named_children()) {
           visit(*child.value(), prefix + child.key() + ".");

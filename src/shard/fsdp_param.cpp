@@ -7,6 +7,7 @@
 #include <algorithm>
 
 #include "fsdp/memory.h"
+#include "fsdp/unit.h"
 
 namespace fsdp::detail {
 namespace {
@@ -22,6 +23,14 @@ struct ModuleAccess : torch::nn::Module {
 
 torch::OrderedDict<std::string, at::Tensor>& registered_parameters(torch::nn::Module& module) {
   return ModuleAccess::params(module);
+}
+
+std::vector<torch::nn::Module*> parameter_owners(torch::nn::Module& module) {
+  std::vector<torch::nn::Module*> owners{&module};
+  if (auto* holder = dynamic_cast<fsdp::nn::UnitBase*>(&module)) {
+    owners.push_back(holder->wrapped().get());
+  }
+  return owners;
 }
 
 FsdpParam::FsdpParam(at::Tensor unsharded, Registration first, int shard_rank, int shard_world,

@@ -137,4 +137,9 @@ class FsdpParam {
 // Reaches the protected parameters_ dict of any torch::nn::Module.
 torch::OrderedDict<std::string, at::Tensor>& registered_parameters(torch::nn::Module& module);
 
+// The modules whose parameters_ dicts hold `module`'s own parameters under the same names:
+// `module`, and for a unit holder the module it wraps (Note [Unit holders] in
+// src/nn/unit.cpp). A walk that registers parameters registers every pair.
+std::vector<torch::nn::Module*> parameter_owners(torch::nn::Module& module);
+
 }  // namespace fsdp::detail

@@ -128,27 +128,31 @@ void FsdpState::build(torch::nn::Module& root, const std::vector<UnitSpec>& spec
         auto it = unit_of.find(&m);
         if (it != unit_of.end()) owner = it->second;
         if (!visited.insert(&m).second) return;  // a shared submodule: registered already
-        for (auto& item : registered_parameters(m)) {
-          const std::string& name = item.key();
-          const at::Tensor& tensor = item.value();
-          if (!tensor.defined()) continue;
-          if (config_.ignored.count(tensor.unsafeGetTensorImpl())) continue;  // FSDPOptions::ignored_params
-          if (!registered.insert({&m, name}).second) continue;
-          FsdpParam::Registration reg{&m, name, prefix + name};
-          auto found = seen.find(tensor.unsafeGetTensorImpl());
-          if (found != seen.end()) {
-            TORCH_CHECK(found->second.unit == owner, "[FSDPStrategy] parameter '", reg.fqn,
-                        "' (shape ", tensor.sizes(), ") is the same tensor as '",
-                        found->second.param->fqn(), "', but '", reg.fqn, "' belongs to unit '",
-                        owner->name(), "' and '", found->second.param->fqn(),
-                        "' to unit '", found->second.unit->name(),
-                        "'. Tied parameters must live in one unit. HINT: wrap a module that "
-                        "contains both, or leave both in the root unit.");
-            found->second.param->add_registration(std::move(reg));
-            continue;
+        // A unit holder's parameters are registered in the wrapped module too (Note [Unit
+        // holders] in src/nn/unit.cpp): both dicts get the sharded parameter.
+        for (torch::nn::Module* dict_owner : parameter_owners(m)) {
+          for (auto& item : registered_parameters(*dict_owner)) {
+            const std::string& name = item.key();
+            const at::Tensor& tensor = item.value();
+            if (!tensor.defined()) continue;
+            if (config_.ignored.count(tensor.unsafeGetTensorImpl())) continue;  // FSDPOptions::ignored_params
+            if (!registered.insert({dict_owner, name}).second) continue;
+            FsdpParam::Registration reg{dict_owner, name, prefix + name};
+            auto found = seen.find(tensor.unsafeGetTensorImpl());
+            if (found != seen.end()) {
+              TORCH_CHECK(found->second.unit == owner, "[FSDPStrategy] parameter '", reg.fqn,
+                          "' (shape ", tensor.sizes(), ") is the same tensor as '",
+                          found->second.param->fqn(), "', but '", reg.fqn, "' belongs to unit '",
+                          owner->name(), "' and '", found->second.param->fqn(),
+                          "' to unit '", found->second.unit->name(),
+                          "'. Tied parameters must live in one unit. HINT: wrap a module that "
+                          "contains both, or leave both in the root unit.");
+              found->second.param->add_registration(std::move(reg));
+              continue;
+            }
+            FsdpParam& p = owner->add_param(tensor, std::move(reg));
+            seen[tensor.unsafeGetTensorImpl()] = Seen{&p, owner};
           }
-          FsdpParam& p = owner->add_param(tensor, std::move(reg));
-          seen[tensor.unsafeGetTensorImpl()] = Seen{&p, owner};
         }
         for (auto& child : m.named_children()) {
           visit(*child.value(), prefix + child.key() + ".", owner);

@@ -93,6 +93,38 @@ void FSDPStrategy::apply_checkpointing_policy(LightningModule& module) {
               "for the demo models).");
 }
 
+namespace {
+
+// Note [No unit below the root]
+// -----------------------------
+// A model in which the policy found no unit (plain torch::nn modules have no call hooks, a
+// size threshold above every module, no policy at all) still trains, as one root unit: but the
+// root unit is unsharded from pre-forward until the end of backward, so every rank holds the
+// whole model's parameters and gradients for the whole step. That is silent unless said, so
+// setup says it once (rank 0) wherever sharding is meant to save memory.
+void warn_if_no_unit(const detail::FsdpState& state, const FSDPOptions& options,
+                     const std::string& name, int rank) {
+  if (rank != 0 || state.units().size() > 1) return;
+  if (options.sharding_strategy == ShardingStrategy::kNoShard || state.shard_group()->size() < 2) {
+    return;  // nothing is sharded: one unit or many hold the same memory
+  }
+  int64_t numel = 0;
+  for (const auto& p : state.units().front()->params()) numel += p->unsharded().numel();
+  if (numel == 0) return;
+  TORCH_WARN("[", name, "] no unit below the root: the wrap policy selected no module and no "
+             "module was wrapped with fsdp::wrap, so all ", numel, " parameter elements form "
+             "the root unit, which stays gathered from the start of forward to the end of "
+             "backward (every rank holds the whole model's parameters and gradients for the "
+             "whole step). HINT: set FSDPOptions::auto_wrap_policy (AutoWrapPolicy::of_types("
+             "fsdp::nn::module_types<Block>()) or AutoWrapPolicy::size_based(n); fsdp-train "
+             "--wrap-policy), or call fsdp::wrap(block) in configure_model. Units are "
+             "fsdp::nn::Module instances: a plain torch::nn module becomes one with "
+             "fsdp::nn::unit(module), a torch::nn::Sequential's children with "
+             "fsdp::nn::unit_children(seq) (fsdp/unit.h, docs/strategies.md).");
+}
+
+}  // namespace
+
 void FSDPStrategy::setup_module(LightningModule& module) {
   TORCH_CHECK(!impl_->state,
               "[FSDPStrategy] setup_module called twice; one strategy shards one model");
@@ -138,6 +170,7 @@ void FSDPStrategy::setup_module(LightningModule& module) {
   state->build(module, units);
   impl_->num_deferred_units = static_cast<int>(state->num_adopted_units());
   impl_->state = std::move(state);
+  warn_if_no_unit(*impl_->state, options_, name_, world_rank);
 
   // Refuse a configuration that cannot fit before anything is allocated for it.
   const int64_t budget = memory_budget();

@@ -126,7 +126,10 @@ std::vector<UnitSpec> select_units(torch::nn::Module& root, const AutoWrapPolicy
         auto* hooked = dynamic_cast<fsdp::nn::Module*>(m);
         TORCH_CHECK(hooked != nullptr, "[FSDPStrategy] auto_wrap_policy: module '", fqn, "' (", m->name(),
                     ") matches the policy but is not an fsdp::nn::Module, so it has no forward "
-                    "hooks to unshard it. HINT: derive the layer from fsdp::nn::Module.");
+                    "hooks to unshard it. HINT: put it in a unit holder where it is "
+                    "registered (fsdp::nn::unit(module); a torch::nn::Sequential's children: "
+                    "fsdp::nn::unit_children(seq); fsdp/unit.h), or derive the layer from "
+                    "fsdp::nn::Module.");
         units.push_back({hooked, fqn});
       }
       return units;
