@@ -19,6 +19,7 @@
 #include <chrono>
 #include <fstream>
 
+#include "cli_markdown.h"
 #include "cli_paths.h"
 
 #include <algorithm>
@@ -196,7 +197,9 @@ inline void add_value_checks(CLI::App& app) {
 //  --list-flags   print the flags, one per line: "SUBCOMMAND<TAB>NAME<TAB>TYPE<TAB>CHECKS"
 //                 (SUBCOMMAND "-" for the program itself; TYPE is CLI11's (INT, FLOAT, TEXT) or
 //                 FLAG for a flag without a value; CHECKS the names of our checks, comma
-//                 separated), and exit 0.
+//                 separated), and exit 0;
+//  --help-markdown  print --help as Markdown (Note [Generated CLI reference] in
+//                 apps/cli_markdown.h) and exit 0.
 // tests/test_flag_fuzz.cpp drives every listed flag with hostile values through --check-flags,
 // so a new flag is covered without a change there.
 inline bool& check_flags_given() {
@@ -386,9 +389,14 @@ inline std::optional<int> parse(CLI::App& app, int argc, const char* const* argv
   detail::add_value_checks(app);
   // Before parsing: the list needs no valid command line (required flags may be missing).
   for (int i = 1; i < argc; ++i) {
-    if (std::string(argv[i]) != "--list-flags") continue;
-    detail::list_flags(app, "", std::cout);
-    return 0;
+    if (std::string(argv[i]) == "--list-flags") {
+      detail::list_flags(app, "", std::cout);
+      return 0;
+    }
+    if (std::string(argv[i]) == "--help-markdown") {  // Note [Generated CLI reference]
+      detail::help_markdown(app, prog, std::cout);
+      return 0;
+    }
   }
   detail::add_hidden_flags(app);
   std::vector<std::string> batch_args;  // a --check-flags-batch case, in the child

@@ -5,6 +5,7 @@
 // ~0.52 bytes per quantized weight) and a bad flag.
 #include "fsdp/hf.h"
 #include "fsdp/llama.h"
+#include "hf_model_folder.h"
 #include "hf_testing.h"
 
 #include <gtest/gtest.h>
@@ -21,57 +22,12 @@ namespace {
 namespace fs = std::filesystem;
 using fsdp::testing::hf_scratch;
 using fsdp::testing::run_process;
-
-// tokenizer.json with GPT-2's 256 byte characters as tokens (ids 0..255), no merges, BOS/EOS.
-void write_byte_tokenizer(const std::string& dir) {
-  nlohmann::json vocab = nlohmann::json::object();
-  int printable[256] = {0};
-  for (int b = '!'; b <= '~'; ++b) printable[b] = 1;
-  for (int b = 0xA1; b <= 0xAC; ++b) printable[b] = 1;
-  for (int b = 0xAE; b <= 0xFF; ++b) printable[b] = 1;
-  int n = 0;
-  for (int b = 0; b < 256; ++b) {
-    const char32_t c = printable[b] ? b : 256 + n++;
-    std::string s;
-    if (c < 0x80) {
-      s.push_back(static_cast<char>(c));
-    } else {
-      s.push_back(static_cast<char>(0xC0 | (c >> 6)));
-      s.push_back(static_cast<char>(0x80 | (c & 0x3F)));
-    }
-    vocab[s] = b;
-  }
-  nlohmann::json j = {
-      {"version", "1.0"},
-      {"added_tokens",
-       {{{"id", 256}, {"content", "<s>"}, {"special", true}},
-        {{"id", 257}, {"content", "</s>"}, {"special", true}}}},
-      {"normalizer", nullptr},
-      {"pre_tokenizer", {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", true}}},
-      {"post_processor", nullptr},
-      {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", nlohmann::json::array()}}}};
-  std::ofstream(dir + "/tokenizer.json") << j.dump();
-  std::ofstream(dir + "/tokenizer_config.json")
-      << R"({"bos_token": "<s>", "eos_token": "</s>"})";
-}
-
-std::string tiny_model(const std::string& name) {
-  const std::string dir = hf_scratch(name);
-  torch::manual_seed(9);
-  fsdp::LlamaConfig c = fsdp::llama_preset("llama-tiny");
-  c.vocab_size = 260;
-  c.hidden_size = 64;
-  c.intermediate_size = 128;
-  fsdp::LlamaForCausalLM m(c);
-  fsdp::save_llama(m, dir, at::kBFloat16);
-  write_byte_tokenizer(dir);
-  return dir;
-}
+using fsdp::testing::tiny_llama_folder;
 
 TEST(FinetuneCli, QLoraUnderFsdpSavesPeftCheckpoints) {
   const std::string wt = fsdp::testing::wikitext2_dir();
   if (wt.empty()) GTEST_SKIP() << "[fsdp-skip] WikiText-2 is not available";
-  const std::string dir = tiny_model("finetune_cli");
+  const std::string dir = tiny_llama_folder("finetune_cli");
   // 64 paragraphs of WikiText-2 as JSONL.
   {
     std::ifstream in(wt + "/valid.txt");
@@ -162,7 +118,7 @@ void write_uneven_examples(const std::string& path, int n) {
 // --report-to, --logging-dir, --save-strategy; gradient clipping on at 1.0 by default (its norm
 // recorded every step) and the learning rate logged every step as transformers' cosine schedule.
 TEST(FinetuneCli, TransformersNamesScheduleAndDefaultClipping) {
-  const std::string dir = tiny_model("finetune_hf_names");
+  const std::string dir = tiny_llama_folder("finetune_hf_names");
   write_uneven_examples(dir + "/train.jsonl", 16);
   const std::string out_dir = dir + "/results";
   const std::string log_dir = dir + "/logs";
@@ -224,7 +180,7 @@ TEST(FinetuneCli, TransformersNamesScheduleAndDefaultClipping) {
 // one process with batch 4 even when examples have very different lengths. A mean of per-rank
 // means (--no-average-tokens-across-devices) does not.
 TEST(FinetuneCli, TokenWeightedLossIsTheSameAtWorlds1And2) {
-  const std::string dir = tiny_model("finetune_tokens");
+  const std::string dir = tiny_llama_folder("finetune_tokens");
   write_uneven_examples(dir + "/train.jsonl", 24);
   auto run = [&](const std::string& devices, const std::string& batch, const std::string& name,
                  bool weighted) {

@@ -2,7 +2,7 @@
 //
 //   auto fsdp = std::make_shared<fsdp::FSDPStrategy>(fsdp::FSDPOptions{
 //       .sharding_strategy = fsdp::ShardingStrategy::kFullShard,
-//       .auto_wrap_policy = fsdp::AutoWrapPolicy::types(fsdp::demos::layer_types("transformer-small")),
+//       .auto_wrap_policy = fsdp::AutoWrapPolicy::of_types(fsdp::demos::layer_types("transformer-small")),
 //   });
 //   fsdp::Trainer trainer({.devices = 2, .strategy = fsdp});
 //
@@ -147,8 +147,9 @@ struct FSDPOptions {
   // the parameters a shard group of 2+ ranks. See docs/offload.md.
   OffloadPolicy offload_policy;
 
-  // --- owned by later issues: present so configurations can name them, but any non-default
-  // value is refused with "not supported yet" until the feature works.
+  // --- not implemented: present so configurations can name it; any value other than the
+  // default is refused with "not supported yet". Sharded checkpoints are the Trainer's
+  // (TrainerOptions::state_dict_type, fsdp/checkpoint.h).
   std::string state_dict_type = "full";                  // "full" | "sharded"
 };
 
