@@ -240,10 +240,12 @@ void vocab_units_parity(int world_size, const std::string& backend) {
           EXPECT_TRUE(has("model.embedding"));
           EXPECT_TRUE(has("model.decoder"));
         }
-        // The root unit keeps only what no unit took: the norms and position table, no matrix
-        // of the vocabulary.
+        // The root unit keeps only what no unit took (norms, position table): no parameter of
+        // the vocabulary.
         for (auto& p : fsdp::detail::state_of(strategy).root_unit().params()) {
-          EXPECT_LT(p->unsharded().numel(), fsdp::testing::kVocab * 32) << p->fqn();
+          for (const char* vocab : {"model.embedding.", "model.decoder.", "model.wte.", "model.lm_head."}) {
+            EXPECT_NE(p->fqn().rfind(vocab, 0), 0u) << p->fqn() << " is in the root unit";
+          }
         }
       }
     }
