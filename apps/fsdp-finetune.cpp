@@ -35,6 +35,7 @@
 #include <filesystem>
 #include <iostream>
 #include <memory>
+#include <numbers>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -82,6 +83,16 @@ struct Args {
   int64_t save_total_limit = -1;
   bool gradient_checkpointing = true;
   std::string optim = "paged_adamw_8bit";
+  double max_grad_norm = 1.0;              // transformers' default
+  std::string lr_scheduler_type = "linear";
+  double warmup_ratio = 0;                 // used when --warmup-steps is 0
+  std::string save_strategy = "steps";
+  std::string report_to = "all";           // transformers 5: "none" (see docs/qlora.md)
+  std::string logging_dir;                 // "": --output-dir
+  bool bf16 = false;
+  bool fp16 = false;
+  bool average_tokens_across_devices = true;
+  std::string quant_type = "nf4";          // --bnb-4bit-quant-type
   // Trainer, strategy and output: the flags fsdp-train has too.
   fsdp::app::CommonArgs common;
 
@@ -136,36 +147,113 @@ fsdp::HfLoadOptions load_options(const Args& a) {
   return o;
 }
 
-// transformers' get_linear_schedule_with_warmup: lr * s/warmup, then linearly to 0 at the
-// last step. Optimizer step k uses base * lambda(k).
-class LinearWarmup : public torch::optim::LRScheduler {
+// transformers' schedules (get_scheduler): lr * s/warmup during warmup, then
+//   linear: linearly to 0 at the last step; cosine: 0.5 * (1 + cos(pi * progress));
+//   constant_with_warmup: 1; constant: 1 from the first step (no warmup, as transformers).
+// Optimizer step k uses base * lambda(k).
+class WarmupSchedule : public torch::optim::LRScheduler {
  public:
-  LinearWarmup(torch::optim::Optimizer& opt, int64_t warmup, int64_t total)
-      : LRScheduler(opt), warmup_(warmup), total_(total) {
+  WarmupSchedule(torch::optim::Optimizer& opt, std::string type, int64_t warmup, int64_t total)
+      : LRScheduler(opt), type_(std::move(type)), warmup_(warmup), total_(total) {
     for (auto& g : opt.param_groups()) base_.push_back(g.options().get_lr());
     for (size_t i = 0; i < base_.size(); ++i) opt.param_groups()[i].options().set_lr(base_[i] * lambda(0));
   }
 
  private:
   double lambda(int64_t s) const {
+    if (type_ == "constant") return 1.0;
     if (s < warmup_) return static_cast<double>(s) / std::max<int64_t>(1, warmup_);
-    return std::max(0.0, static_cast<double>(total_ - s) / std::max<int64_t>(1, total_ - warmup_));
+    if (type_ == "constant_with_warmup") return 1.0;
+    const double progress =
+        static_cast<double>(s - warmup_) / static_cast<double>(std::max<int64_t>(1, total_ - warmup_));
+    if (type_ == "cosine") return std::max(0.0, 0.5 * (1.0 + std::cos(std::numbers::pi * progress)));
+    return std::max(0.0, 1.0 - progress);  // linear
   }
   std::vector<double> get_lrs() override {
     std::vector<double> out;
     for (double b : base_) out.push_back(b * lambda(static_cast<int64_t>(step_count_) + 1));
     return out;
   }
+  std::string type_;
   int64_t warmup_, total_;
   std::vector<double> base_;
+};
+
+// --warmup-steps, or ceil(--warmup-ratio x total) when it is 0 (transformers'
+// get_warmup_steps).
+int64_t warmup_steps(const Args& a, int64_t total_steps) {
+  if (a.warmup_steps > 0) return a.warmup_steps;
+  return static_cast<int64_t>(std::ceil(a.warmup_ratio * static_cast<double>(total_steps)));
+}
+
+// Note [Token-weighted loss]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// transformers 5 (average_tokens_across_devices, num_items_in_batch) divides the summed token
+// losses of an optimizer step by the number of target tokens in the whole step: every rank's
+// micro-batches of it together. A mean of per-rank means weights a rank with few real tokens
+// (much padding) as much as one with many. The step's count needs no collective here: every
+// rank knows the shared epoch order (DistributedSampler::epoch_order, Note [Sampler striding])
+// and so which examples all ranks read in each micro-batch. A micro-batch's loss is then
+//   sum of its token losses x world x m / tokens of the step,
+// m the micro-batches of this step (the accumulation steps, fewer in an epoch's last partial
+// group): the Trainer divides it by the accumulation steps and the strategies average gradients
+// over ranks, so the gradient is the step's token mean, and the mean of the returned losses over
+// the step's micro-batches and ranks -- the logged loss -- is exactly the token-weighted loss.
+class StepTokens {
+ public:
+  StepTokens(std::shared_ptr<fsdp::CausalLMDataset> data, int64_t accumulation)
+      : data_(std::move(data)), k_(accumulation), valid_(data_->size(), -1) {}
+
+  struct Counts {
+    int64_t step_tokens;    // target tokens of the step holding the micro-batch, all ranks
+    int64_t micro_batches;  // micro-batches of that step
+    int64_t batch_tokens;   // target tokens of this micro-batch, all ranks
+  };
+  Counts of(const fsdp::DataLoader& loader, int64_t batch_idx) {
+    const fsdp::DistributedSampler& s = loader.sampler();
+    if (s.epoch() != epoch_ || order_.empty()) {
+      order_ = s.epoch_order();
+      epoch_ = s.epoch();
+    }
+    const int64_t per_batch = loader.batch_size() * s.world();
+    const int64_t batches = loader.num_batches();
+    const int64_t first = batch_idx / k_ * k_;
+    const int64_t last = std::min(first + k_, batches);
+    Counts c{0, last - first, 0};
+    for (int64_t b = first; b < last; ++b) {
+      int64_t tokens = 0;
+      for (int64_t p = b * per_batch; p < (b + 1) * per_batch; ++p) tokens += valid(order_[p]);
+      c.step_tokens += tokens;
+      if (b == batch_idx) c.batch_tokens = tokens;
+    }
+    return c;
+  }
+
+ private:
+  int64_t valid(int64_t i) {
+    if (valid_[i] < 0) valid_[i] = data_->get(i).target.ne(-100).sum().item<int64_t>();
+    return valid_[i];
+  }
+  std::shared_ptr<fsdp::CausalLMDataset> data_;
+  int64_t k_;
+  std::vector<int64_t> valid_;  // target tokens per example (-1: not counted yet)
+  std::vector<int64_t> order_;
+  int64_t epoch_ = -1;
 };
 
 class Finetune : public fsdp::LightningModule {
  public:
   // `strategy_checkpoints`: the strategy applies activation checkpointing itself (FSDP's
   // activation_checkpointing_policy), so the model does not.
-  Finetune(const Args& a, int64_t total_steps, bool strategy_checkpoints)
-      : a_(a), total_steps_(total_steps), strategy_checkpoints_(strategy_checkpoints) {}
+  // `step_tokens` (null: per-rank mean losses): Note [Token-weighted loss]; `loader` the
+  // loader fit() reads (the Trainer gives it this rank's sampler).
+  Finetune(const Args& a, int64_t total_steps, bool strategy_checkpoints,
+           std::shared_ptr<StepTokens> step_tokens, const fsdp::DataLoader* loader)
+      : a_(a),
+        total_steps_(total_steps),
+        strategy_checkpoints_(strategy_checkpoints),
+        step_tokens_(std::move(step_tokens)),
+        loader_(loader) {}
 
   void configure_model() override {
     if (model) return;
@@ -181,16 +269,30 @@ class Finetune : public fsdp::LightningModule {
     }
   }
 
-  at::Tensor training_step(const fsdp::Batch& batch, int64_t) override {
+  at::Tensor training_step(const fsdp::Batch& batch, int64_t batch_idx) override {
     const int64_t n = fsdp::used_length(batch);  // drop right padding beyond every target
     at::Tensor logits = (*model)(batch.input.narrow(1, 0, n));  // (B, n, V)
     at::Tensor target = batch.target.narrow(1, 0, n).reshape({-1});
-    at::Tensor loss = at::cross_entropy_loss(logits.to(at::kFloat).reshape({target.numel(), -1}),
-                                             target, {}, at::Reduction::Mean, -100);
+    at::Tensor flat = logits.to(at::kFloat).reshape({target.numel(), -1});
+    at::Tensor loss, logged;
+    if (step_tokens_) {
+      const StepTokens::Counts c = step_tokens_->of(*loader_, batch_idx);
+      const double world = static_cast<double>(trainer()->world_size());
+      at::Tensor sum = at::cross_entropy_loss(flat, target, {}, at::Reduction::Sum, -100);
+      loss = sum * (world * static_cast<double>(c.micro_batches) /
+                    static_cast<double>(std::max<int64_t>(1, c.step_tokens)));
+      // The micro-batch's token mean over all ranks, once sync_dist averages it.
+      logged = sum.detach() * (world / static_cast<double>(std::max<int64_t>(1, c.batch_tokens)));
+    } else {
+      loss = at::cross_entropy_loss(flat, target, {}, at::Reduction::Mean, -100);
+      logged = loss;
+    }
     fsdp::LogOptions o;
     o.prog_bar = true;
     o.sync_dist = true;
-    log("train_loss", loss, o);
+    log("train_loss", logged, o);
+    // As transformers logs it: the learning rate this step uses.
+    if (opt_) log("learning_rate", opt_->param_groups()[0].options().get_lr());
     return loss;
   }
 
@@ -209,7 +311,9 @@ class Finetune : public fsdp::LightningModule {
                          .weight_decay(a_.weight_decay)
                          .paged(a_.optim == "paged_adamw_8bit"));
     }
-    auto sched = std::make_shared<LinearWarmup>(*opt, a_.warmup_steps, total_steps_);
+    opt_ = opt.get();
+    auto sched = std::make_shared<WarmupSchedule>(*opt, a_.lr_scheduler_type,
+                                                  warmup_steps(a_, total_steps_), total_steps_);
     return {opt, sched};
   }
 
@@ -219,6 +323,9 @@ class Finetune : public fsdp::LightningModule {
   Args a_;
   int64_t total_steps_;
   bool strategy_checkpoints_;
+  torch::optim::Optimizer* opt_ = nullptr;
+  std::shared_ptr<StepTokens> step_tokens_;
+  const fsdp::DataLoader* loader_;
 };
 
 // PEFT adapter checkpoints: OUTPUT_DIR/checkpoint-<step> every save_steps optimizer steps,
@@ -230,7 +337,24 @@ class AdapterCheckpoint : public fsdp::Callback {
 
   void on_train_batch_end(fsdp::Trainer& t, fsdp::LightningModule& m, int64_t) override {
     const int64_t step = t.global_step();
-    if (a_.save_steps <= 0 || step == 0 || step % a_.save_steps != 0 || step == last_saved_) return;
+    if (a_.save_strategy != "steps" || a_.save_steps <= 0 || step == 0 ||
+        step % a_.save_steps != 0) {
+      return;
+    }
+    save_step(t, m, step);
+  }
+
+  void on_train_epoch_end(fsdp::Trainer& t, fsdp::LightningModule& m) override {
+    if (a_.save_strategy == "epoch" && t.global_step() > 0) save_step(t, m, t.global_step());
+  }
+
+  void on_train_end(fsdp::Trainer& t, fsdp::LightningModule& m) override {
+    save(t, m, (fs::path(a_.output_dir) / "final").string());
+  }
+
+ private:
+  void save_step(fsdp::Trainer& t, fsdp::LightningModule& m, int64_t step) {
+    if (step == last_saved_) return;
     save(t, m, (fs::path(a_.output_dir) / ("checkpoint-" + std::to_string(step))).string());
     last_saved_ = step;
     if (t.is_global_zero()) {
@@ -242,11 +366,6 @@ class AdapterCheckpoint : public fsdp::Callback {
     }
   }
 
-  void on_train_end(fsdp::Trainer& t, fsdp::LightningModule& m) override {
-    save(t, m, (fs::path(a_.output_dir) / "final").string());
-  }
-
- private:
   void save(fsdp::Trainer& t, fsdp::LightningModule& m, const std::string& dir) {
     auto& f = static_cast<Finetune&>(m);
     // Collective: every rank gathers its adapter shards; rank 0 writes.
@@ -402,7 +521,10 @@ int run(const Args& a, const fsdp::app::CommonFlags& flags) {
   if (a.max_steps > 0) t.max_epochs = -1;
   t.accumulate_grad_batches = a.gradient_accumulation_steps;
   t.log_every_n_steps = a.logging_steps;
-  t.default_root_dir = a.output_dir;
+  t.default_root_dir = a.logging_dir.empty() ? a.output_dir : a.logging_dir;
+  t.gradient_clip_val = a.max_grad_norm;
+  if (a.bf16) t.precision = "bf16-mixed";
+  fsdp::app::set_loggers(t, a.report_to);
   const fsdp::HfLoadOptions lo = load_options(a);
   const std::string name = a.preset.empty() ? a.model_dir : a.preset;
   t.callbacks.push_back(std::make_shared<AdapterCheckpoint>(a, *lo.lora, name));
@@ -411,7 +533,11 @@ int run(const Args& a, const fsdp::app::CommonFlags& flags) {
 
   fsdp::DataLoader loader(data, a.per_device_train_batch_size,
                           fsdp::DistributedSampler(data->size(), 1, 0, /*shuffle=*/true, a.seed()), true);
-  Finetune module(a, total_steps, flags.family() == fsdp::StrategyFamily::kFSDP);
+  Finetune module(a, total_steps, flags.family() == fsdp::StrategyFamily::kFSDP,
+                  a.average_tokens_across_devices
+                      ? std::make_shared<StepTokens>(data, a.gradient_accumulation_steps)
+                      : nullptr,
+                  &loader);
   const auto [all, trainable] = logical_counts(config, *lo.lora);
   std::ostringstream head;
   head << "[fsdp-finetune] " << name << ": "
@@ -464,7 +590,8 @@ int main(int argc, char** argv) {
   spec.summary_json_help = "write the run summary as JSON here";
   fsdp::app::CommonFlags flags(app, a.common, spec);
   app.option_defaults()->group("Model");
-  auto* o_dir = app.add_option("--model-dir", a.model_dir, "Hugging Face model folder (config.json, *.safetensors)")
+  auto* o_dir = app.add_option("--model-dir,--model-name-or-path", a.model_dir,
+                               "Hugging Face model folder (config.json, *.safetensors)")
                     ->check(fsdp::cli::input_dir());
   auto* o_preset = app.add_option("--preset", a.preset, "instead of --model-dir: a random model of this layout")
                        ->check(one_of(fsdp::llama_preset_names()));
@@ -475,8 +602,11 @@ int main(int argc, char** argv) {
   app.add_flag("--bnb-4bit-use-double-quant,!--no-double-quant", a.double_quant, "8-bit absmaxes (double quantization)");
   app.add_option("--bnb-4bit-compute-dtype", a.compute_dtype, "4-bit layers compute in: bfloat16 | float32")
       ->check(one_of(kDtypeNames));
-  app.add_option("--base-dtype", a.base_dtype, "dtype of the non-quantized base parameters: float32 | bfloat16")
+  app.add_option("--base-dtype,--torch-dtype", a.base_dtype,
+                 "dtype of the non-quantized base parameters: float32 | bfloat16")
       ->check(one_of(kDtypeNames));
+  app.add_option("--bnb-4bit-quant-type", a.quant_type, "4-bit data type: nf4 (fp4 is not implemented)")
+      ->check(one_of({"nf4", "fp4"}));
   app.add_option("--kbit-upcast", a.kbit_upcast,
                  "with --load-in-4bit, which non-quantized parameters become fp32: all (PEFT's "
                  "prepare_model_for_kbit_training) | norms | none (keep --base-dtype)")
@@ -504,16 +634,28 @@ int main(int argc, char** argv) {
             return text == "synthetic" ? std::string() : fsdp::cli::input_file()(path);
           },
           "", std::string(fsdp::cli::kCheckPrefix) + "input_file"));
-  app.add_option("--text-field", a.text_field, "JSONL field holding the text");
+  app.add_option("--text-field,--dataset-text-field", a.text_field, "JSONL field holding the text");
   app.add_option("--max-length", a.max_length, "tokens per example (longer ones are truncated)")
       ->check(at_least(int64_t{2}));
   app.add_option("--synthetic-examples", a.synthetic_examples, "--data synthetic: number of random sequences")
       ->check(at_least(int64_t{1}));
   app.option_defaults()->group("TrainingArguments");
-  app.add_option("--output-dir", a.output_dir, "checkpoint-<step>/ and final/ adapters, CSV logs")
+  app.add_option("--output-dir", a.output_dir, "checkpoint-<step>/ and final/ adapters, logs")
       ->check(fsdp::cli::output_dir());
-  app.add_option("--warmup-steps", a.warmup_steps, "linear warmup steps (then linear decay to 0)")
+  app.add_option("--warmup-steps", a.warmup_steps, "learning-rate warmup steps (linear from 0)")
       ->check(at_least(int64_t{0}));
+  app.add_option("--warmup-ratio", a.warmup_ratio, "warmup as a fraction of the steps, when --warmup-steps is 0")
+      ->check(between(0.0, 1.0));
+  app.add_option("--lr-scheduler-type", a.lr_scheduler_type,
+                 "after warmup: linear (to 0) | cosine (to 0) | constant_with_warmup | constant (no warmup)")
+      ->check(one_of({"linear", "cosine", "constant", "constant_with_warmup"}));
+  app.add_option("--max-grad-norm", a.max_grad_norm, "clip gradients to this global L2 norm (0: off)")
+      ->check(at_least(0.0));
+  app.add_flag("--bf16", a.bf16, "bf16 mixed precision (= --precision bf16-mixed)");
+  app.add_flag("--fp16", a.fp16, "not offered: use --bf16 (fp16 mixed precision is not implemented for QLoRA)");
+  app.add_flag("--average-tokens-across-devices,!--no-average-tokens-across-devices",
+               a.average_tokens_across_devices,
+               "loss = summed token losses / target tokens of the whole step, all ranks (else a mean of per-rank means)");
   app.add_option("--per-device-train-batch-size", a.per_device_train_batch_size, "examples per rank per micro-batch")
       ->check(at_least(int64_t{1}));
   app.add_option("--gradient-accumulation-steps", a.gradient_accumulation_steps, "micro-batches per optimizer step")
@@ -528,18 +670,37 @@ int main(int argc, char** argv) {
       ->check(between(0.0, fsdp::app::kMaxLearningRate));
   app.add_option("--weight-decay", a.weight_decay, "AdamW weight decay")->check(at_least(0.0));
   app.add_option("--logging-steps", a.logging_steps, "log every N optimizer steps")->check(at_least(int64_t{1}));
+  app.add_option("--report-to", a.report_to,
+                 "all (CSV and TensorBoard) | tensorboard | csv | none")
+      ->check(one_of({"all", "tensorboard", "csv", "none"}));
+  app.add_option("--logging-dir", a.logging_dir, "logs go to DIR/version_N (default: --output-dir)")
+      ->check(fsdp::cli::output_dir());
+  app.add_option("--save-strategy", a.save_strategy,
+                 "steps (every --save-steps) | epoch (each epoch's end) | no (only final/)")
+      ->check(one_of({"steps", "epoch", "no"}));
   app.add_option("--save-steps", a.save_steps, "save the adapter every N optimizer steps (0: only at the end)")
       ->check(at_least(int64_t{0}));
   app.add_option("--save-total-limit", a.save_total_limit, "keep the N newest checkpoint-<step> adapters (-1: all)")
       ->check(at_least(int64_t{-1}));
   app.add_flag("--gradient-checkpointing,!--no-gradient-checkpointing", a.gradient_checkpointing,
                "recompute each decoder layer in backward");
-  app.add_option("--optim", a.optim, "paged_adamw_8bit | adamw_8bit (bitsandbytes-exact 8-bit AdamW; "
-                 "paged = same on CPU) | adamw_torch")
-      ->check(one_of({"paged_adamw_8bit", "adamw_8bit", "adamw_torch"}));
+  app.add_option("--optim", a.optim, "paged_adamw_8bit | adamw_8bit = adamw_bnb_8bit (bitsandbytes-exact "
+                 "8-bit AdamW; paged = same on CPU) | adamw_torch")
+      ->check(one_of({"paged_adamw_8bit", "adamw_8bit", "adamw_bnb_8bit", "adamw_torch"}));
   if (auto code = fsdp::cli::parse(app, argc, argv, "fsdp-finetune",
                                    fsdp::cli::CheckFlags::kByTheProgram)) {
     return *code;
+  }
+  if (a.quant_type != "nf4") {
+    std::cerr << "fsdp-finetune: error: --bnb-4bit-quant-type " << a.quant_type
+              << " is not implemented: the 4-bit layers are NF4 only; use nf4" << std::endl;
+    return 2;
+  }
+  if (a.fp16) {
+    std::cerr << "fsdp-finetune: error: --fp16: fp16 mixed precision is not implemented for "
+                 "QLoRA fine-tuning (the 4-bit layers compute in bfloat16 or float32); use --bf16"
+              << std::endl;
+    return 2;
   }
   if (a.model_dir.empty() && a.preset.empty()) {
     std::cerr << "fsdp-finetune: error: pass --model-dir DIR (or --preset NAME)" << std::endl;

@@ -62,6 +62,7 @@ struct Args {
   std::string save_batches;          // write the run's micro-batches (every rank's) here and exit
   std::string save_initial_weights;  // rank 0 writes the weights training starts from here
   std::string ckpt_path;
+  std::string logger = "csv,tensorboard";  // --logger
 
   Args() {  // this program's defaults where they differ from the library's
     common.trainer.max_steps = 100;
@@ -147,6 +148,7 @@ fsdp::TrainerOptions trainer_options(const Args& a, const CommonFlags& flags,
   fsdp::TrainerOptions t = a.common.trainer;
   t.strategy = flags.make_strategy(flags.strategy_options(a.model.unit_types()));
   *recorders = fsdp::app::add_run_recorders(t);
+  fsdp::app::set_loggers(t, a.logger);
   if (!a.save_initial_weights.empty()) {
     t.callbacks.push_back(std::make_shared<InitialWeightsWriter>(a.save_initial_weights));
   }
@@ -290,7 +292,7 @@ int main(int argc, char** argv) {
 
   fsdp::TrainerOptions& t = a.common.trainer;
   app.option_defaults()->group("Trainer");
-  app.add_option("--accelerator", t.accelerator, "cpu | auto | cuda | gpu (cuda needs a CUDA build of libtorch)")
+  app.add_option("--accelerator", t.accelerator, "cpu | auto | cuda | gpu (cuda: a CUDA build; training on it is not on CUDA yet, docs/gpu.md)")
       ->check(one_of(fsdp::Trainer::accelerator_names()));
   app.add_option("--num-nodes", t.num_nodes, "nodes (under SLURM/mpirun/torchrun-style env)")
       ->check(at_least(1));
@@ -313,10 +315,13 @@ int main(int argc, char** argv) {
   app.add_option("--val-check-interval", t.val_check_interval,
                  "validate every N training batches (>=1), a fraction of the epoch (0,1), or at epoch end (0)")
       ->check(at_least(0.0));
-  app.add_option("--log-every", t.log_every_n_steps, "log_every_n_steps: CSV rows and non-terminal progress lines")
+  app.add_option("--log-every", t.log_every_n_steps, "log_every_n_steps: logged rows and non-terminal progress lines")
       ->check(at_least(int64_t{1}));
-  app.add_option("--default-root-dir", t.default_root_dir, "CSV logs go to DIR/version_N/metrics.csv")
+  app.add_option("--default-root-dir", t.default_root_dir, "logs go to DIR/version_N (metrics.csv, TensorBoard events)")
       ->check(fsdp::cli::output_dir());
+  app.add_option("--logger", a.logger,
+                 "csv,tensorboard (both, in one DIR/version_N), csv, tensorboard, or none")
+      ->check(one_of({"csv,tensorboard", "csv", "tensorboard", "none"}));
   app.option_defaults()->group("Model");
   const std::vector<std::string> models = [] {
     auto v = fsdp::demos::model_names();

@@ -4,6 +4,7 @@
 #include "ckpt/safetensors.h"
 #include "common/injected_hooks.h"
 #include "fsdp/checkpoint.h"
+#include "cli_test_util.h"
 #include "fully_shard_common.h"
 #include "testing.h"
 
@@ -21,6 +22,7 @@
 #include <fstream>
 #include <functional>
 #include <set>
+#include <sstream>
 
 namespace fs = std::filesystem;
 using fsdp::testing::run_process;
@@ -150,7 +152,7 @@ TEST(CheckpointCli, SaveTopKByMonitorAndEveryNEpochs) {
   std::set<int64_t> kept;
   for (const auto& e : fs::directory_iterator(dir + "/ckpt")) {
     const std::string name = e.path().filename().string();
-    if (name == "last") continue;
+    if (name == "last" || name == ".fsdp-owner.json") continue;
     ASSERT_TRUE(name.rfind("step-", 0) == 0 || name.rfind("last-step-6-", 0) == 0) << name;
     EXPECT_NE(name.find("-train_loss="), std::string::npos) << name;
     kept.insert(fsdp::inspect_checkpoint(e.path().string()).progress.global_step);
@@ -168,7 +170,7 @@ TEST(CheckpointCli, SaveTopKByMonitorAndEveryNEpochs) {
   for (const auto& e : fs::directory_iterator(dir2 + "/ckpt")) {
     names.insert(e.path().filename().string());
   }
-  EXPECT_EQ(names, (std::set<std::string>{"step-4", "step-8", "last"}));
+  EXPECT_EQ(names, (std::set<std::string>{"step-4", "step-8", "last", ".fsdp-owner.json"}));
 
   // The checkpoint flags without a directory are an error, not silently ignored.
   auto r = run_process(plus(train_argv(dir2, 1, 2, 1, "single"), {"--monitor", "val_loss"}), {},
@@ -254,6 +256,19 @@ TEST(CheckpointCli, RankKilledMidSaveLeavesPreviousCheckpoint) {
   auto info = fsdp::inspect_checkpoint(dir + "/ckpt/last");
   EXPECT_EQ(info.progress.global_step, 2);
 
+  // The run's next save of step 4 removes and reuses the step-4.partial its interrupted save
+  // left (Note [Interrupted saves] in src/ckpt/run_records.h); it used to stay for ever, and the
+  // save went to step-4-v1.
+  EXPECT_TRUE(fs::exists(dir + "/ckpt/step-4.partial/.fsdp-save.json"));
+  r = child({"--resume=" + dir + "/ckpt/last", "--ckpt-dir=" + dir + "/ckpt", "--max-steps=4",
+             "--losses=" + dir + "/resaved.json"});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_TRUE(fs::exists(dir + "/ckpt/step-4/metadata.json"));
+  EXPECT_FALSE(fs::exists(dir + "/ckpt/step-4.partial"));
+  EXPECT_FALSE(fs::exists(dir + "/ckpt/step-4-v1"));
+  EXPECT_EQ(fs::read_symlink(dir + "/ckpt/last").string(), "step-4");
+  EXPECT_EQ(fsdp::inspect_checkpoint(dir + "/ckpt/last").progress.global_step, 4);
+
   // A variable that once made the library crash a rank, left set in the environment, does
   // nothing: only the test's own flag installs the hook.
   const std::string left_set = scratch("crash-variable-left-set");
@@ -262,6 +277,137 @@ TEST(CheckpointCli, RankKilledMidSaveLeavesPreviousCheckpoint) {
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   EXPECT_TRUE(fs::exists(left_set + "/ckpt/step-4/metadata.json"));
   EXPECT_TRUE(fs::exists(left_set + "/ckpt/step-6/metadata.json"));
+}
+
+namespace {
+
+// The run that saved a checkpoint (its metadata's integrity record; "" when it has none).
+std::string run_of(const std::string& ckpt) {
+  for (const char* meta : {"/metadata.json", "/meta.json"}) {
+    std::ifstream in(ckpt + meta);
+    if (!in) continue;
+    json j = json::parse(in, nullptr, /*allow_exceptions=*/false);
+    if (j.contains("integrity")) return j["integrity"].value("run_id", "");
+  }
+  return "";
+}
+
+// The lines of `text` that contain `what`.
+std::vector<std::string> lines_with(const std::string& text, const std::string& what) {
+  std::vector<std::string> out;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) {
+    if (line.find(what) != std::string::npos) out.push_back(line);
+  }
+  return out;
+}
+
+std::string link_of(const std::string& path) {
+  std::error_code ec;
+  return fs::read_symlink(path, ec).string();
+}
+
+// Note [One last per run] in src/ckpt/run_records.h: a second run saving into a checkpoint
+// directory keeps its own last-<run> and says so in one line; `last` stays the first run's, also
+// when each of them resumes. Both used to move one `last`, so `--ckpt-path DIR/last` resumed
+// whichever had saved most recently.
+void one_last_per_run(int devices, const std::string& backend) {
+  const std::string dir = scratch("owner-" + backend + std::to_string(devices));
+  const std::string ck = dir + "/ckpt";
+  auto fit = [&](int max_steps, const std::vector<std::string>& more) {
+    auto r = run_process(plus(plus(train_argv(dir, devices, 2, max_steps, "fsdp"),
+                                   {"--checkpoint-dir", ck, "--save-every-n-steps", "2",
+                                    "--backend", backend}),
+                              more),
+                         {}, 240);
+    EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+    return lines_with(r.err, "[ModelCheckpoint] warning");
+  };
+  EXPECT_EQ(fit(2, {}).size(), 0u);
+  ASSERT_EQ(link_of(ck + "/last"), "step-2");
+  const std::string run_a = run_of(ck + "/step-2");
+  ASSERT_FALSE(run_a.empty());
+
+  // Another run in the same directory: its step-2 is step-2-v1, its link last-<its run>.
+  auto warned = fit(4, {});
+  const std::string run_b = run_of(ck + "/step-4");
+  ASSERT_FALSE(run_b.empty());
+  ASSERT_NE(run_a, run_b);
+  const std::string own = "last-" + run_b.substr(0, 8);
+  EXPECT_EQ(link_of(ck + "/last"), "step-2") << "the second run moved the first run's last";
+  EXPECT_EQ(link_of(ck + "/" + own), "step-4");
+  ASSERT_EQ(warned.size(), 1u);
+  EXPECT_NE(warned[0].find("run " + run_a.substr(0, 8)), std::string::npos) << warned[0];
+  EXPECT_NE(warned[0].find("--ckpt-path " + ck + "/" + own), std::string::npos) << warned[0];
+  EXPECT_NE(warned[0].find("--ckpt-path " + ck + "/last"), std::string::npos) << warned[0];
+
+  // Each resumes its own checkpoint and moves its own link.
+  EXPECT_EQ(fit(4, {"--ckpt-path", ck + "/last"}).size(), 0u);
+  EXPECT_EQ(link_of(ck + "/last"), "step-4-v1");
+  EXPECT_EQ(run_of(ck + "/last"), run_a);
+  EXPECT_EQ(fit(6, {"--ckpt-path", ck + "/" + own}).size(), 1u);
+  EXPECT_EQ(link_of(ck + "/" + own), "step-6");
+  EXPECT_EQ(run_of(ck + "/" + own), run_b);
+  EXPECT_EQ(link_of(ck + "/last"), "step-4-v1");
+}
+
+// A full disk under --state-dict-type full (the file size limit as a full disk, as in
+// test_disk_offload.cpp): one error line per rank -- the writing rank names the file and the
+// error, the others the rank that failed and its error --, no stack trace, no staging directory
+// left, and the previous checkpoint and `last` as they were. The failed write used to end rank 0
+// inside the all-gathers, leaving an empty step-N.partial and a TCPStore stack trace on the other ranks.
+void full_disk_under_full_format(int devices) {
+  const std::string dir = scratch("full-disk-" + std::to_string(devices));
+  const std::string ck = dir + "/ckpt";
+  const auto flags = std::vector<std::string>{"--checkpoint-dir", ck, "--save-every-n-steps",
+                                              "2", "--state-dict-type", "full", "--backend",
+                                              "gloo"};
+  auto r = run_process(plus(train_argv(dir, devices, 2, 2, "fsdp"), flags), {}, 240);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  const auto before = fsdp::testing::snapshot(ck + "/step-2");
+  const auto limit_kib = fs::file_size(ck + "/step-2/model.safetensors") / 2048;
+  ASSERT_GT(limit_kib, 4u);
+  r = run_process(plus({"/bin/bash", "-c",
+                        "ulimit -f " + std::to_string(limit_kib) + " && trap '' XFSZ && "
+                        "exec \"$@\"",
+                        "bash"},
+                       plus(train_argv(dir, devices, 2, 4, "fsdp"),
+                            plus(flags, {"--ckpt-path", ck + "/last"}))),
+                  {}, 240);
+  EXPECT_NE(r.exit_code, 0) << r.out << r.err;
+  // The launcher shows the first rank that stops (and stops the others): whichever it is, its
+  // line names the file and the error.
+  const auto errors = lines_with(r.err, "[checkpoint]");
+  EXPECT_GE(errors.size(), 1u) << r.err;
+  EXPECT_LE(errors.size(), static_cast<size_t>(devices)) << r.err;
+  for (const auto& line : errors) {
+    EXPECT_NE(line.find("[checkpoint] saving " + ck + "/step-4 failed on "), std::string::npos)
+        << line;
+    EXPECT_NE(line.find("rank 0: " + ck + "/step-4.partial/model.safetensors"),
+              std::string::npos) << line;
+    EXPECT_NE(line.find("File too large"), std::string::npos) << line;
+    EXPECT_NE(line.find("nothing was published"), std::string::npos) << line;
+  }
+  for (const char* trace : {"TCPStore", "Exception raised from", "frame #"}) {
+    EXPECT_EQ(r.err.find(trace), std::string::npos) << trace << " in\n" << r.err;
+  }
+  std::set<std::string> names;
+  for (const auto& e : fs::directory_iterator(ck)) names.insert(e.path().filename().string());
+  EXPECT_EQ(names, (std::set<std::string>{"step-2", "last", ".fsdp-owner.json"}));
+  EXPECT_EQ(link_of(ck + "/last"), "step-2");
+  EXPECT_EQ(fsdp::testing::snapshot(ck + "/step-2"), before);
+}
+
+}  // namespace
+
+TEST(CheckpointCli, OneLastPerRunInASharedDirectoryGlooWorld2) { one_last_per_run(2, "gloo"); }
+TEST(CheckpointCli, OneLastPerRunInASharedDirectoryGlooWorld3) { one_last_per_run(3, "gloo"); }
+TEST(CheckpointCli, OneLastPerRunInASharedDirectoryMpiWorld3) { one_last_per_run(3, "mpi"); }
+TEST(CheckpointCli, FullDiskUnderFullFormatIsOneLinePerRankGlooWorld2) {
+  full_disk_under_full_format(2);
+}
+TEST(CheckpointCli, FullDiskUnderFullFormatIsOneLinePerRankGlooWorld3) {
+  full_disk_under_full_format(3);
 }
 
 // fsdp-ckpt: inspect, consolidate a sharded checkpoint (read back with numpy), reshard to 3.

@@ -3,6 +3,7 @@
 // mixed checkpoint files are found on load and by fsdp-ckpt verify/inspect (Note [Checkpoint
 // identity] in src/ckpt/identity.h).
 #include "ckpt/identity.h"
+#include "ckpt/run_records.h"
 #include "ckpt/safetensors.h"
 #include "fsdp/checkpoint.h"
 #include "fully_shard_common.h"
@@ -12,6 +13,9 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+#include <csignal>
+#include <sys/resource.h>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -350,4 +354,117 @@ TEST(CheckpointSafety, CheckpointWithoutChecksumsLoadsWithWarning) {
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.out.find("match their checksums"), std::string::npos) << r.out;
   EXPECT_EQ(r.err, "");
+}
+
+// Note [Interrupted saves] in src/ckpt/run_records.h: the DIR.partial an interrupted save of
+// this run left (its marker, a torn shard) is removed and reused by the run's next save of DIR,
+// which used to fail (or, under ModelCheckpoint, go to DIR-v1) and leave it for ever. A
+// DIR.partial of another run, one holding a file no checkpoint writer makes, and one this run
+// staged for another name are left alone.
+TEST(CheckpointSafety, InterruptedSaveOfThisRunIsReusedGlooWorld3) {
+  namespace ckpt = fsdp::ckpt;
+  const std::string dir = scratch("interrupted");
+  fresh_dir(dir);
+  fsdp::testing::run_ranks(3, "gloo", [&](fsdp::ProcessGroup& world) {
+    auto strategy = fsdp::testing::connect_to_world(std::make_shared<fsdp::FSDPStrategy>());
+    fsdp::testing::TinyLM lm;
+    fsdp::configure_model_with(*strategy, lm);
+    strategy->setup_module(lm);
+    fsdp::TrainingProgress p;
+    p.global_step = 1;
+    fsdp::save_checkpoint(dir + "/step-1", *strategy, lm, nullptr, p,
+                          fsdp::StateDictType::kSharded);
+    const std::string run = ckpt::current_run_id();
+    ASSERT_FALSE(run.empty());
+    if (world.rank() == 0) {
+      // What a save interrupted in this process leaves, and three that are not this save's.
+      auto staged = [&](const std::string& name, const std::string& marker_run,
+                        const std::string& marker_target, const std::string& file) {
+        fs::create_directories(dir + "/" + name + ".partial");
+        ckpt::mark_partial(dir + "/" + name + ".partial", marker_run, marker_target);
+        write_text(dir + "/" + name + ".partial/" + file, "torn");
+      };
+      staged("step-2", run, "step-2", "shard-0-of-3.safetensors");
+      staged("step-3", ckpt::random_id(), "step-3", "shard-0-of-3.safetensors");
+      staged("step-4", run, "step-4", "keep.txt");
+      staged("step-5", run, "step-9", "shard-0-of-3.safetensors");
+    }
+    world.barrier();
+    p.global_step = 2;
+    EXPECT_EQ(fsdp::testing::error_of([&] {
+      fsdp::save_checkpoint(dir + "/step-2", *strategy, lm, nullptr, p,
+                            fsdp::StateDictType::kSharded);
+    }), "");
+    for (const std::string name : {"step-3", "step-4", "step-5"}) {
+      const std::string err = fsdp::testing::error_of([&] {
+        fsdp::save_checkpoint(dir + "/" + name, *strategy, lm, nullptr, p,
+                              fsdp::StateDictType::kSharded);
+      });
+      if (world.rank() == 0) {
+        EXPECT_NE(err.find(name + ".partial exists"), std::string::npos) << err;
+      } else {
+        EXPECT_NE(err.find("failed on 1 other rank"), std::string::npos) << err;
+      }
+    }
+  });
+  if (fsdp::testing::in_child_rank()) return;
+  EXPECT_EQ(fsdp::inspect_checkpoint(dir + "/step-2").progress.global_step, 2);
+  EXPECT_FALSE(fs::exists(dir + "/step-2/.fsdp-save.json")) << "the marker was published";
+  std::vector<std::string> left = leftovers(dir);
+  std::sort(left.begin(), left.end());
+  EXPECT_EQ(left, (std::vector<std::string>{"step-3.partial", "step-4.partial",
+                                            "step-5.partial"}));
+  for (const auto& [name, file] : std::map<std::string, std::string>{
+           {"step-3", "shard-0-of-3.safetensors"}, {"step-4", "keep.txt"},
+           {"step-5", "shard-0-of-3.safetensors"}}) {
+    const auto files = snapshot(dir + "/" + name + ".partial");
+    EXPECT_EQ(files.size(), 2u) << name;
+    EXPECT_EQ(files.at(file), "torn") << name;
+    EXPECT_TRUE(files.count(".fsdp-save.json")) << name;
+  }
+}
+
+// A write error in the full format (the file size limit as a full disk, as in
+// test_disk_offload.cpp) is one error per rank: the writing rank names the file and the error,
+// the others that rank and its error; nothing is published, the previous checkpoint stays. The
+// write happens inside all-gathers: the writer used to throw out of them, leaving the other
+// ranks in an all-gather it never joined.
+TEST(CheckpointSafety, FullFormatWriteErrorIsOneErrorPerRankGlooWorld3) {
+  const std::string dir = scratch("full-write-error");
+  fresh_dir(dir);
+  const std::string ck = dir + "/ck";
+  fsdp::testing::run_ranks(3, "gloo", [&](fsdp::ProcessGroup& world) {
+    ::signal(SIGXFSZ, SIG_IGN);
+    auto strategy = fsdp::testing::connect_to_world(std::make_shared<fsdp::FSDPStrategy>());
+    fsdp::testing::TinyLM lm;
+    fsdp::configure_model_with(*strategy, lm);
+    strategy->setup_module(lm);
+    fsdp::TrainingProgress p;
+    p.global_step = 1;
+    fsdp::save_checkpoint(ck, *strategy, lm, nullptr, p, fsdp::StateDictType::kFull);
+    rlimit old{};
+    ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &old), 0);
+    rlimit lim = old;
+    lim.rlim_cur = static_cast<rlim_t>(fs::file_size(ck + "/model.safetensors") / 2);
+    ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &lim), 0);
+    p.global_step = 2;
+    const std::string err = fsdp::testing::error_of([&] {
+      fsdp::save_checkpoint(ck, *strategy, lm, nullptr, p, fsdp::StateDictType::kFull);
+    });
+    ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &old), 0);
+    const std::string cause = ck + ".partial/model.safetensors";
+    if (world.rank() == 0) {
+      EXPECT_NE(err.find("[checkpoint] saving " + ck + " failed on rank 0: " + cause),
+                std::string::npos) << err;
+    } else {
+      EXPECT_NE(err.find("[checkpoint] saving " + ck + " failed on 1 other rank(s) (rank 0: " +
+                         cause), std::string::npos) << err;
+    }
+    EXPECT_NE(err.find("File too large"), std::string::npos) << err;
+    EXPECT_EQ(err.find('\n'), std::string::npos) << err;
+    world.barrier();
+  });
+  if (fsdp::testing::in_child_rank()) return;
+  EXPECT_EQ(fsdp::inspect_checkpoint(ck).progress.global_step, 1);
+  EXPECT_TRUE(leftovers(dir).empty());
 }

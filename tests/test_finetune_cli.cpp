@@ -10,6 +10,8 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -135,6 +137,143 @@ TEST(FinetuneCli, QLoraUnderFsdpSavesPeftCheckpoints) {
     if (k.find("lora_B") != std::string::npos) any_nonzero_b |= v.abs().sum().item<double>() > 0;
   }
   EXPECT_TRUE(any_nonzero_b);  // trained: B moved away from zero
+}
+
+nlohmann::json read_json(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return nlohmann::json::parse(ss.str());
+}
+
+// JSONL of `n` examples whose lengths vary from a few bytes to 40 (so that ranks see very
+// different numbers of target tokens in a step).
+void write_uneven_examples(const std::string& path, int n) {
+  std::ofstream out(path);
+  const std::string text = "the quick brown fox jumps over the lazy dog while it sleeps";
+  for (int i = 0; i < n; ++i) {
+    const size_t len = 3 + (i * 17) % 38;
+    out << nlohmann::json({{"text", text.substr(0, len)}}).dump() << "\n";
+  }
+}
+
+// transformers' names: --model-name-or-path, --dataset-text-field, --torch-dtype,
+// --bnb-4bit-quant-type, --optim adamw_bnb_8bit, --lr-scheduler-type with --warmup-ratio,
+// --report-to, --logging-dir, --save-strategy; gradient clipping on at 1.0 by default (its norm
+// recorded every step) and the learning rate logged every step as transformers' cosine schedule.
+TEST(FinetuneCli, TransformersNamesScheduleAndDefaultClipping) {
+  const std::string dir = tiny_model("finetune_hf_names");
+  write_uneven_examples(dir + "/train.jsonl", 16);
+  const std::string out_dir = dir + "/results";
+  const std::string log_dir = dir + "/logs";
+  auto r = run_process({fsdp::testing::bin_path("fsdp-finetune"), "--model-name-or-path", dir,
+                        "--data", dir + "/train.jsonl", "--dataset-text-field", "text",
+                        "--torch-dtype", "float32", "--bnb-4bit-quant-type", "nf4",
+                        "--optim", "adamw_bnb_8bit", "--max-length", "48",
+                        "--per-device-train-batch-size", "2", "--max-steps", "8",
+                        "--learning-rate", "1e-3", "--lr-scheduler-type", "cosine",
+                        "--warmup-ratio", "0.25", "--logging-steps", "1", "--report-to", "csv",
+                        "--logging-dir", log_dir, "--save-strategy", "no", "--save-steps", "2",
+                        "--output-dir", out_dir, "--summary-json", dir + "/summary.json",
+                        "--no-progress-bar"});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  auto s = read_json(dir + "/summary.json");
+  // Default --max-grad-norm 1.0: clipping ran every step (the norm before clipping recorded).
+  EXPECT_EQ(s["grad_norms"].size(), 8u) << s.dump();
+  // --report-to csv into --logging-dir: metrics.csv there, no TensorBoard file, nothing in
+  // --output-dir's version_N.
+  const std::string v0 = log_dir + "/version_0";
+  ASSERT_TRUE(fs::exists(v0 + "/metrics.csv"));
+  for (const auto& e : fs::directory_iterator(v0)) {
+    EXPECT_EQ(e.path().filename().string().find("tfevents"), std::string::npos) << e.path();
+  }
+  EXPECT_FALSE(fs::exists(out_dir + "/version_0"));
+  // --save-strategy no: only final/.
+  EXPECT_TRUE(fs::exists(out_dir + "/final/adapter_model.safetensors"));
+  for (const auto& e : fs::directory_iterator(out_dir)) {
+    EXPECT_NE(e.path().filename().string().rfind("checkpoint-", 0), 0u) << e.path();
+  }
+  // learning_rate at steps 1..8: warmup ceil(0.25 * 8) = 2 steps, then cosine to 0.
+  std::ifstream f(v0 + "/metrics.csv");
+  std::string header;
+  std::getline(f, header);
+  std::vector<std::string> cols;
+  {
+    std::stringstream hs(header);
+    for (std::string c; std::getline(hs, c, ',');) cols.push_back(c);
+  }
+  const size_t lr_col = std::find(cols.begin(), cols.end(), "learning_rate") - cols.begin();
+  ASSERT_LT(lr_col, cols.size()) << header;
+  std::vector<double> lrs;
+  for (std::string line; std::getline(f, line);) {
+    std::vector<std::string> cells;
+    std::stringstream ls(line);
+    for (std::string c; std::getline(ls, c, ',');) cells.push_back(c);
+    if (cells.size() > lr_col && !cells[lr_col].empty()) lrs.push_back(std::stod(cells[lr_col]));
+  }
+  ASSERT_EQ(lrs.size(), 8u);
+  for (int k = 0; k < 8; ++k) {
+    const double want = k < 2 ? 1e-3 * k / 2.0
+                              : 1e-3 * 0.5 * (1.0 + std::cos(M_PI * (k - 2) / 6.0));
+    EXPECT_NEAR(lrs[k], want, 1e-12) << "step " << k + 1;
+  }
+}
+
+// transformers 5 averages the loss over every target token of a step, all ranks together
+// (average_tokens_across_devices, on by default): 2 ranks with batch 2 then give the losses of
+// one process with batch 4 even when examples have very different lengths. A mean of per-rank
+// means (--no-average-tokens-across-devices) does not.
+TEST(FinetuneCli, TokenWeightedLossIsTheSameAtWorlds1And2) {
+  const std::string dir = tiny_model("finetune_tokens");
+  write_uneven_examples(dir + "/train.jsonl", 24);
+  auto run = [&](const std::string& devices, const std::string& batch, const std::string& name,
+                 bool weighted) {
+    std::vector<std::string> argv = {
+        fsdp::testing::bin_path("fsdp-finetune"), "--model-dir", dir, "--data",
+        dir + "/train.jsonl", "--devices", devices, "--backend", "gloo", "--max-length", "48",
+        "--per-device-train-batch-size", batch, "--gradient-accumulation-steps", "2",
+        "--max-steps", "3", "--learning-rate", "3e-3", "--lora-dropout", "0",
+        "--bnb-4bit-compute-dtype", "float32", "--report-to", "none", "--save-strategy", "no",
+        "--output-dir", dir + "/" + name, "--summary-json", dir + "/" + name + ".json",
+        "--no-progress-bar"};
+    if (!weighted) argv.push_back("--no-average-tokens-across-devices");
+    auto r = run_process(argv);
+    EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+    return read_json(dir + "/" + name + ".json")["losses"].get<std::vector<double>>();
+  };
+  const auto one = run("1", "4", "w1", true);
+  const auto two = run("2", "2", "w2", true);
+  const auto two_mean = run("2", "2", "w2_mean", false);
+  ASSERT_EQ(one.size(), 3u);
+  ASSERT_EQ(two.size(), 3u);
+  ASSERT_EQ(two_mean.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_NEAR(two[i], one[i], 1e-6 * std::abs(one[i])) << "step " << i + 1;
+  }
+  // The per-rank mean weights short and long examples' ranks alike: another loss, far outside
+  // the tolerance above.
+  for (size_t i = 0; i < 3; ++i) {
+    std::printf("step %zu: world 1 %.9g, world 2 token-weighted %.9g, mean of rank means %.9g\n",
+                i + 1, one[i], two[i], two_mean[i]);
+  }
+  // (Measured: 4e-8 relative token-weighted, 2.7e-4 to 8.4e-4 for the mean of rank means.)
+  double gap = 0;
+  for (size_t i = 0; i < 3; ++i) gap = std::max(gap, std::abs(two_mean[i] - one[i]) / std::abs(one[i]));
+  EXPECT_GT(gap, 1e-4);
+}
+
+// Names transformers has but fsdp-finetune does not implement are one line each.
+TEST(FinetuneCli, UnimplementedTransformersChoicesAreOneLine) {
+  auto fp16 = run_process({fsdp::testing::bin_path("fsdp-finetune"), "--preset", "llama-tiny",
+                           "--data", "synthetic", "--fp16"});
+  EXPECT_EQ(fp16.exit_code, 2);
+  EXPECT_NE(fp16.err.find("--fp16"), std::string::npos) << fp16.err;
+  EXPECT_NE(fp16.err.find("--bf16"), std::string::npos) << fp16.err;
+  auto fp4 = run_process({fsdp::testing::bin_path("fsdp-finetune"), "--preset", "llama-tiny",
+                          "--data", "synthetic", "--bnb-4bit-quant-type", "fp4"});
+  EXPECT_EQ(fp4.exit_code, 2);
+  EXPECT_NE(fp4.err.find("fp4 is not implemented"), std::string::npos) << fp4.err;
+  EXPECT_EQ(std::count(fp4.err.begin(), fp4.err.end(), '\n'), 1) << fp4.err;
 }
 
 TEST(FinetuneCli, DryRunOfTheRecipes8BLayout) {

@@ -1,16 +1,22 @@
 // Trainer, single process: the loop against a hand-written libtorch loop, accumulation,
-// clipping, limits, validation, CSV logging, option errors, the strategy registry.
+// clipping, limits, validation, loggers (CSV, TensorBoard, user-defined), option errors, the
+// strategy registry.
 #include <gtest/gtest.h>
 
 #include "fsdp/fsdp.h"
 #include "testing.h"
 #include "train/progress_bar.h"
+#include "train/tensorboard_logger.h"
+
+#include <nlohmann/json.hpp>
 
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <sstream>
+#include <tuple>
 
 namespace {
 namespace fs = std::filesystem;
@@ -91,6 +97,33 @@ fsdp::TrainerOptions quiet_options(const std::string& name) {
 }
 
 using fsdp::testing::error_of;
+
+// metrics.csv as {column: [(step, value)]}, empty cells left out.
+std::map<std::string, std::vector<std::pair<int64_t, double>>> read_metrics_csv(
+    const std::string& path) {
+  std::ifstream f(path);
+  EXPECT_TRUE(f) << path;
+  std::string line;
+  std::getline(f, line);
+  std::vector<std::string> cols;
+  {
+    std::stringstream ss(line);
+    for (std::string c; std::getline(ss, c, ',');) cols.push_back(c);
+  }
+  std::map<std::string, std::vector<std::pair<int64_t, double>>> out;
+  while (std::getline(f, line)) {
+    std::vector<std::string> cells;
+    std::stringstream ss(line);
+    for (std::string c; std::getline(ss, c, ',');) cells.push_back(c);
+    cells.resize(cols.size());
+    const int64_t step = std::stoll(cells[0]);
+    for (size_t i = 2; i < cols.size(); ++i) {
+      if (!cells[i].empty()) out[cols[i]].push_back({step, std::stod(cells[i])});
+    }
+  }
+  return out;
+}
+
 
 TEST(Trainer, FitRunsMaxStepsAndRecordsFiniteLosses) {
   auto data = corpus();
@@ -299,26 +332,8 @@ TEST(Trainer, FitValidatesAtTheConfiguredInterval) {
   trainer.fit(model, train, val);
   const auto& r = trainer.results();
   ASSERT_EQ(r.metrics.count("val_loss"), 1u);
-  std::ifstream f(r.log_dir + "/metrics.csv");
-  std::string line;
-  int val_rows = 0;
-  std::getline(f, line);
-  std::vector<std::string> cols;
-  {
-    std::stringstream ss(line);
-    std::string c;
-    while (std::getline(ss, c, ',')) cols.push_back(c);
-  }
-  auto col = std::find(cols.begin(), cols.end(), "val_loss") - cols.begin();
-  ASSERT_LT(col, static_cast<long>(cols.size()));
-  while (std::getline(f, line)) {
-    std::vector<std::string> cells;
-    std::stringstream ss(line);
-    std::string c;
-    while (std::getline(ss, c, ',')) cells.push_back(c);
-    if (static_cast<long>(cells.size()) > col && !cells[col].empty()) ++val_rows;
-  }
-  EXPECT_EQ(val_rows, 2);  // after training batches 2 and 4
+  const auto val_rows = read_metrics_csv(r.log_dir + "/metrics.csv")["val_loss"].size();
+  EXPECT_EQ(val_rows, 2u);  // after training batches 2 and 4
 }
 
 TEST(Trainer, CsvLoggerWritesLoggedColumnsInNewVersions) {
@@ -347,6 +362,151 @@ TEST(Trainer, CsvLoggerWritesLoggedColumnsInNewVersions) {
     double logged = std::stod(rows[2].substr(rows[2].rfind(',') + 1));
     EXPECT_NEAR(logged, trainer.results().losses[5], 1e-6);
   }
+}
+
+TEST(Loggers, Crc32cIsCastagnoli) {
+  // The check value of CRC-32C (RFC 3720, B.4), and TFRecord's mask of it.
+  EXPECT_EQ(fsdp::detail::crc32c("123456789", 9), 0xE3069283u);
+  const uint32_t c = 0xE3069283u;
+  EXPECT_EQ(fsdp::detail::masked_crc32c("123456789", 9), ((c >> 15) | (c << 17)) + 0xa282ead8u);
+  EXPECT_EQ(fsdp::detail::crc32c("", 0), 0u);
+}
+
+// The default loggers write one version_N holding metrics.csv and a TensorBoard event file;
+// TensorBoard's own EventAccumulator reads every logged value back at its step (as float32),
+// and every record's framing CRCs are checked independently of the writer.
+TEST(Loggers, DefaultCsvAndTensorBoardAgreeAndTensorBoardReadsThem) {
+  auto data = corpus();
+  auto train = loader(data);
+  auto val = loader(data, 4, false);
+  TinyLM model;
+  auto o = quiet_options("tensorboard");
+  o.max_steps = 6;
+  o.log_every_n_steps = 2;
+  o.val_check_interval = 3;
+  o.limit_val_batches = 2;
+  fsdp::Trainer trainer(o);
+  trainer.fit(model, train, val);
+  const std::string dir = trainer.results().log_dir;
+  ASSERT_FALSE(dir.empty());
+  auto csv = read_metrics_csv(dir + "/metrics.csv");
+  ASSERT_EQ(csv.count("train_loss"), 1u);
+  ASSERT_EQ(csv.count("val_loss"), 1u);
+  EXPECT_EQ(csv["train_loss"].size(), 3u);  // steps 2, 4, 6
+  EXPECT_EQ(csv["val_loss"].size(), 2u);    // after training batches 3 and 6
+
+  auto res = fsdp::testing::run_process(
+      {FSDP_PYTHON, std::string(FSDP_SOURCE_DIR) + "/tests/read_tensorboard.py", dir});
+  ASSERT_EQ(res.exit_code, 0) << res.err;
+  auto doc = nlohmann::json::parse(res.out);
+  ASSERT_EQ(doc["records"].size(), 1u) << res.out;  // one event file
+  size_t csv_rows = 0;
+  {
+    std::ifstream f(dir + "/metrics.csv");
+    for (std::string line; std::getline(f, line);) ++csv_rows;
+  }
+  // The file_version event, then one event per CSV row (the header is not a row).
+  EXPECT_EQ(doc["records"].begin()->get<size_t>(), csv_rows) << res.out;
+  const auto& scalars = doc["scalars"];
+  for (const auto& [name, points] : csv) {
+    ASSERT_TRUE(scalars.contains(name)) << name << " missing from " << res.out;
+    const auto& tb = scalars[name];
+    ASSERT_EQ(tb.size(), points.size()) << name;
+    for (size_t i = 0; i < points.size(); ++i) {
+      EXPECT_EQ(tb[i][0].get<int64_t>(), points[i].first) << name << " #" << i;
+      EXPECT_EQ(tb[i][1].get<float>(), static_cast<float>(points[i].second)) << name << " #" << i;
+    }
+  }
+  ASSERT_TRUE(scalars.contains("epoch"));
+  EXPECT_EQ(scalars["epoch"].size(), csv_rows - 1);
+  EXPECT_EQ(scalars.size(), csv.size() + 1) << res.out;  // nothing else
+}
+
+// A user-defined logger, as Lightning's Logger: the Trainer calls every logger in
+// TrainerOptions::loggers with the same rows, sets each up once and finalizes each at the end;
+// the default directory is not created then. logger = false calls none.
+struct RecordingLogger : fsdp::Logger {
+  std::string dir;
+  int setups = 0;
+  int finalizes = 0;
+  std::vector<std::tuple<int64_t, int64_t, std::map<std::string, double>>> rows;
+  explicit RecordingLogger(std::string d) : dir(std::move(d)) {}
+  void setup() override { ++setups; }
+  void log_metrics(const std::map<std::string, double>& m, int64_t step, int64_t epoch) override {
+    rows.emplace_back(step, epoch, m);
+  }
+  void finalize() override { ++finalizes; }
+  std::string log_dir() const override { return dir; }
+};
+
+TEST(Loggers, EveryLoggerInTheListGetsEveryRow) {
+  auto data = corpus();
+  auto train = loader(data);
+  auto o = quiet_options("user_loggers");
+  o.max_steps = 4;
+  o.log_every_n_steps = 2;
+  auto a = std::make_shared<RecordingLogger>("dir-a");
+  auto b = std::make_shared<RecordingLogger>("dir-b");
+  o.loggers = {a, b};
+  {
+    TinyLM model;
+    fsdp::Trainer trainer(o);
+    trainer.fit(model, train);
+    EXPECT_EQ(trainer.results().log_dir, "dir-a");
+    ASSERT_EQ(a->rows.size(), 2u);  // steps 2 and 4
+    EXPECT_EQ(std::get<0>(a->rows[0]), 2);
+    EXPECT_EQ(std::get<0>(a->rows[1]), 4);
+    EXPECT_NEAR(std::get<2>(a->rows[1]).at("train_loss"), trainer.results().losses[3], 1e-6);
+    EXPECT_EQ(a->rows, b->rows);
+    EXPECT_EQ(a->setups, 1);
+    EXPECT_EQ(b->finalizes, 1);
+    EXPECT_FALSE(fs::exists(o.default_root_dir));  // no default logger wrote there
+  }
+  o.logger = false;
+  {
+    TinyLM model;
+    fsdp::Trainer trainer(o);
+    trainer.fit(model, train);
+    EXPECT_EQ(trainer.results().log_dir, "");
+    EXPECT_EQ(a->rows.size(), 2u);
+    EXPECT_EQ(a->setups, 1);
+  }
+}
+
+// A logger never overwrites a file it did not create: a CSVLogger pointed at an existing
+// version's metrics.csv refuses before the first step, naming the file; TensorBoard's event file
+// takes a name nothing else has.
+TEST(Loggers, ExplicitVersionNeverOverwritesAnotherRunsFiles) {
+  auto data = corpus();
+  auto train = loader(data);
+  auto o = quiet_options("explicit_version");
+  const fs::path v0 = fs::path(o.default_root_dir) / "version_0";
+  fs::create_directories(v0);
+  { std::ofstream(v0 / "metrics.csv") << "step,epoch,theirs\n1,0,42\n"; }
+  o.max_steps = 2;
+  o.log_every_n_steps = 1;
+  o.loggers = {std::make_shared<fsdp::CSVLogger>(o.default_root_dir, 0)};
+  TinyLM model;
+  fsdp::Trainer trainer(o);
+  std::string e = error_of([&] { trainer.fit(model, train); });
+  EXPECT_NE(e.find((v0 / "metrics.csv").string()), std::string::npos) << e;
+  EXPECT_NE(e.find("another run"), std::string::npos) << e;
+  std::ifstream f(v0 / "metrics.csv");
+  std::stringstream kept;
+  kept << f.rdbuf();
+  EXPECT_EQ(kept.str(), "step,epoch,theirs\n1,0,42\n");
+
+  // Two TensorBoard loggers on one explicit version: two event files, neither overwritten.
+  auto tb1 = std::make_shared<fsdp::TensorBoardLogger>(o.default_root_dir, 0);
+  auto tb2 = std::make_shared<fsdp::TensorBoardLogger>(o.default_root_dir, 0);
+  tb1->setup();
+  tb2->setup();
+  EXPECT_NE(tb1->path(), tb2->path());
+  EXPECT_EQ(fs::path(tb1->path()).parent_path(), v0);
+  tb1->log_metrics({{"x", 1.0}}, 1, 0);
+  tb2->finalize();
+  tb1->finalize();
+  EXPECT_GT(fs::file_size(tb1->path()), fs::file_size(tb2->path()));
 }
 
 // A single-device strategy that records what the model's construction tells it.

@@ -136,6 +136,11 @@ TEST(TrainerRanks, GlobalLossSyncDistAndPerRankResultsAtWorld3) {
   EXPECT_NE(r.out.find("[  PASSED  ] 1 test"), std::string::npos) << r.out << r.err;
   EXPECT_TRUE(fs::exists(dir / "version_0" / "metrics.csv"));
   EXPECT_FALSE(fs::exists(dir / "version_1"));  // one logger for the run, not one per rank
+  int event_files = 0;  // TensorBoard's, beside the CSV: rank 0's only
+  for (const auto& e : fs::directory_iterator(dir / "version_0")) {
+    event_files += e.path().filename().string().rfind("events.out.tfevents.", 0) == 0;
+  }
+  EXPECT_EQ(event_files, 1);
 }
 
 }  // namespace

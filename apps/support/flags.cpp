@@ -413,6 +413,19 @@ StrategyPtr CommonFlags::make_strategy(const StrategyOptions& options) const {
   return fsdp::make_strategy(strategy_name(), options);
 }
 
+void set_loggers(TrainerOptions& t, const std::string& choice) {
+  if (choice == "none") {
+    t.logger = false;
+  } else if (choice == "csv") {
+    t.loggers = {std::make_shared<CSVLogger>(t.default_root_dir)};
+  } else if (choice == "tensorboard") {
+    t.loggers = {std::make_shared<TensorBoardLogger>(t.default_root_dir)};
+  } else {
+    TORCH_CHECK(choice == "csv,tensorboard" || choice == "all", "[flags] unknown logger choice '",
+                choice, "'");
+  }
+}
+
 int run_or_fail(const std::function<int()>& body) {
   try {
     return body();

@@ -119,6 +119,10 @@ std::string strategy_flag_for(StrategyFamily family);
 // The same for several families: "--strategy fsdp, ..., deepspeed, ... or deepspeed_stage_3".
 std::string strategy_flag_for(const std::vector<StrategyFamily>& families);
 
+// The loggers a --logger / --report-to choice names, under t.default_root_dir: "csv",
+// "tensorboard", "none" (no logger), or both ("csv,tensorboard" / "all": the Trainer's default).
+void set_loggers(TrainerOptions& t, const std::string& choice);
+
 // The end of a program's main: returns what `body` returns; an exception ends every rank with
 // its message on one line, without a backtrace (fsdp::fail_rank, exit status 1).
 int run_or_fail(const std::function<int()>& body);

@@ -108,6 +108,7 @@ nlohmann::json run_summary(const Trainer& trainer, const RunRecorders& recorders
   j["comm_bytes_note"] = "bytes rank 0 passed to collectives in each optimizer step, counted by "
                          "the process groups (gradients, model averaging, the loss all-reduce)";
   j["losses"] = r.losses;
+  j["grad_norms"] = r.grad_norms;  // with gradient clipping: the norm before clipping, per step
   j["final_loss"] = r.losses.empty() ? nlohmann::json(nullptr) : nlohmann::json(r.losses.back());
   j["metrics"] = r.metrics;
   j["log_dir"] = r.log_dir;

@@ -141,6 +141,8 @@ void save_safetensors(const std::string& path,
 // the new entry is complete, so a crash mid-save leaves the old set intact.
 // save_last: `dirpath/last` is a symlink, replaced atomically, to the newest save (a top-k
 // entry of that step, else a separate "last-<name>" entry that replaces the previous one).
+// One run owns `last` (dirpath/.fsdp-owner.json records it): another run that is still running
+// keeps its own `last-<first 8 digits of its run id>` instead, and says so in one warning line.
 // The monitored value is rank 0's (broadcast), so every rank makes the same decision; log it
 // with sync_dist = true so that it means the global value.
 struct ModelCheckpointOptions {
@@ -207,6 +209,8 @@ class ModelCheckpoint : public Callback {
   std::string kth_best_model_path_;
   std::string last_model_path_;
   std::string own_last_entry_;          // the separate "last-*" entry `last` points to, if any
+  std::string last_link_;  // rank 0: this fit's `last` link, "last" or "last-<run>" ("" = not
+                           // decided yet; Note [One last per run] in src/ckpt/run_records.h)
   std::vector<std::string> saved_no_monitor_;  // save_top_k == 1 without a monitor
 };
 

@@ -15,6 +15,7 @@
 #include "fsdp/init.h"
 #include "fsdp/launcher.h"
 #include "fsdp/lightning.h"
+#include "fsdp/logger.h"
 #include "fsdp/memory.h"
 #include "fsdp/models.h"
 #include "fsdp/nn.h"

@@ -34,6 +34,7 @@
 #include "fsdp/init.h"
 #include "fsdp/launcher.h"
 #include "fsdp/lightning.h"
+#include "fsdp/logger.h"
 #include "fsdp/precision.h"
 #include "fsdp/strategy.h"
 #include "fsdp/strategy_registry.h"
@@ -109,7 +110,7 @@ struct TrainerOptions {
   double gradient_clip_val = 0;
   int64_t log_every_n_steps = 50;  // CSV rows and non-terminal progress lines
   bool enable_progress_bar = true;
-  // The CSV logger writes <default_root_dir>/version_N/metrics.csv (rank 0).
+  // The default loggers write into <default_root_dir>/version_N (rank 0).
   std::string default_root_dir = "fsdp_logs";
   // >= 0: seed_everything(seed) before configure_model (same model on every rank).
   int64_t seed = -1;
@@ -117,7 +118,11 @@ struct TrainerOptions {
   // mpirun, or on one host when MPI is built and mpirun is on PATH (the program re-runs itself
   // through mpirun); gloo otherwise. Rank 0 prints the choice and why (docs/process_groups.md).
   std::string process_group_backend = "auto";
-  bool logger = true;              // false: no CSV file
+  // Where logged metrics go (rank 0; fsdp/logger.h, docs/logging.md). logger false: nowhere.
+  // loggers empty: a CSVLogger and a TensorBoardLogger writing into one
+  // <default_root_dir>/version_N (metrics.csv and an events.out.tfevents.* file).
+  bool logger = true;
+  std::vector<LoggerPtr> loggers;
   bool enable_summary = true;      // end-of-run summary (it/s, memory table) on rank 0
   // Checkpoints (fsdp/checkpoint.h). With checkpoint_dir set and save_every_n_steps > 0, fit
   // saves <checkpoint_dir>/step-<k> every that many optimizer steps and points
@@ -133,7 +138,7 @@ struct TrainerOptions {
 };
 
 // What a fit() measured, on every rank (losses are already the global mean everywhere; the
-// CSV logger, progress bar and summary exist on global rank 0 only).
+// loggers, progress bar and summary exist on global rank 0 only).
 struct FitResults {
   std::vector<double> losses;      // per optimizer step: mean training loss over micro-batches
                                    // and ranks (global mean), as returned by training_step
@@ -143,6 +148,9 @@ struct FitResults {
   double seconds = 0;              // wall time of the training loop
   double it_per_s = 0;             // optimizer steps per second, first step (warm-up) excluded
   int64_t skipped_steps = 0;       // "16-mixed": optimizer steps the grad scaler skipped (inf/nan)
+  // Per optimizer step, with gradient_clip_val > 0: the global L2 norm of the gradients before
+  // clipping (what transformers logs as grad_norm).
+  std::vector<double> grad_norms;
   // Per optimizer step: seconds from the start of the training loop to the end of the step
   // (after its loss was averaged over the ranks, a synchronization point), on this rank's
   // clock. Benchmarks compute it/s over any warm-up from it, as they do for their peers.
@@ -175,7 +183,7 @@ struct FitResults {
   // with no bytes left out). The parts sum to the peak.
   std::vector<std::map<std::string, int64_t>> peak_breakdown_bytes;
   std::map<std::string, double> metrics;  // last value of every logged metric (rank 0 view)
-  std::string log_dir;             // the CSV logger's version_N directory ("" without)
+  std::string log_dir;             // the first logger's directory ("" without a logger)
 };
 
 class Trainer {

@@ -5,6 +5,7 @@
 #include "ckpt/identity.h"
 #include "ckpt/layout.h"
 #include "ckpt/output.h"
+#include "ckpt/run_records.h"
 #include "fsdp/cpu_adam.h"
 #include "fsdp/strategy.h"
 
@@ -17,6 +18,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <mutex>
@@ -343,15 +345,33 @@ std::vector<ckpt::TensorSpec> full_specs(const std::vector<LocalTensor>& ts) {
 
 // Full format: every rank joins the all-gather of each sharded tensor; rank 0 streams the rows
 // to `file`. Peak: the shards plus one gathered tensor.
-void write_full(const std::string& file, const std::vector<LocalTensor>& ts, const Layout& L,
-                int rank, int64_t step, ckpt::Identity id) {
-  if (L.replica_rank != 0) return;  // See Note [Who writes a checkpoint]
+// Returns "" or why this rank's writing failed (a full disk): a writer that fails stops writing
+// but still joins every all-gather, so that every rank reaches agree_on_save, which tells all of
+// them (a throw here would leave the other ranks in an all-gather this rank never joins).
+std::string write_full(const std::string& file, const std::vector<LocalTensor>& ts,
+                       const Layout& L, int rank, int64_t step, ckpt::Identity id) {
+  if (L.replica_rank != 0) return "";  // See Note [Who writes a checkpoint]
   std::unique_ptr<ckpt::SafetensorsWriter> w;
+  std::string error;
+  auto writing = [&](const std::function<void()>& f) {
+    if (!error.empty()) return;
+    try {
+      f();
+    } catch (const c10::Error& e) {
+      error = e.what_without_backtrace();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    if (!error.empty()) w.reset();  // removes its temporary file
+  };
   id.shard = 0;
   id.shards = 1;
   if (L.shard_rank == 0) {
-    w = std::make_unique<ckpt::SafetensorsWriter>(file, full_specs(ts), ckpt::identity_metadata(id),
-                                                  /*checksums=*/true);
+    writing([&] {
+      w = std::make_unique<ckpt::SafetensorsWriter>(file, full_specs(ts),
+                                                    ckpt::identity_metadata(id),
+                                                    /*checksums=*/true);
+    });
   }
   ResidentWindow window(L.pager, /*modifies=*/false);
   for (size_t i = 0; i < ts.size(); ++i) {
@@ -367,14 +387,15 @@ void write_full(const std::string& file, const std::vector<LocalTensor>& ts, con
       }
       at::Tensor out = at::empty({in.numel() * L.shard_world}, in.options());
       L.shard_group->all_gather_into_tensor(out, in);
-      if (w) w->write(out.data_ptr(), static_cast<size_t>(t.full_nbytes()));
+      if (w) writing([&] { w->write(out.data_ptr(), static_cast<size_t>(t.full_nbytes())); });
     } else if (w) {
-      w->write(t.local.data_ptr(), static_cast<size_t>(t.full_nbytes()));
+      writing([&] { w->write(t.local.data_ptr(), static_cast<size_t>(t.full_nbytes())); });
     }
     if (i == 0) ckpt::maybe_crash_during_save(rank, step);
   }
   window.close();
-  if (w) w->commit();
+  if (w) writing([&] { w->commit(); });
+  return error;
 }
 
 // Sharded format: this rank's unpadded rows of its sharded tensors, plus (rank 0) the
@@ -429,14 +450,39 @@ void write_shard(const std::string& file, const Layout& L, int rank, int64_t ste
   w.commit();
 }
 
+// The errors of a save on every rank: how many ranks failed, and the first failing rank's
+// error as "rank R: ERROR" ("" when none failed). Every rank names the cause, since a launcher
+// may show only the first rank that exits.
+std::pair<int, std::string> gather_save_errors(Strategy& strategy, const std::string& error) {
+  const int world = strategy.world_size();
+  if (world == 1) {
+    return {error.empty() ? 0 : 1, error.empty() ? "" : "rank 0: " + error};
+  }
+  const std::string mine_text = error.substr(0, 4096);
+  at::Tensor mine = at::tensor({static_cast<int64_t>(mine_text.size())}, at::kLong);
+  at::Tensor sizes = at::empty({world}, at::kLong);
+  strategy.world()->all_gather_into_tensor(sizes, mine);
+  int failed = 0, first = -1;
+  for (int r = 0; r < world; ++r) {
+    if (sizes[r].item<int64_t>() == 0) continue;
+    ++failed;
+    if (first < 0) first = r;
+  }
+  if (failed == 0) return {0, ""};
+  at::Tensor bytes = at::empty({sizes[first].item<int64_t>()}, at::kByte);
+  if (strategy.rank() == first) std::copy(mine_text.begin(), mine_text.end(), bytes.data_ptr<uint8_t>());
+  strategy.world()->broadcast(bytes, first);
+  return {failed, "rank " + std::to_string(first) + ": " +
+                      std::string(reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>()),
+                                  static_cast<size_t>(bytes.numel()))};
+}
+
 // A save fails on a rank (full disk, read-only directory): every rank learns it, throws, and
-// nothing is published; the one that failed says why. `partial` (rank 0: the directory this
-// save created; else empty) is removed.
+// nothing is published; the one that failed says why, the others name it and its error.
+// `partial` (rank 0: the directory this save created; else empty) is removed.
 void agree_on_save(Strategy& strategy, const std::string& error, const fs::path& target,
                    const fs::path& partial) {
-  at::Tensor failed = at::tensor({error.empty() ? 0.0f : 1.0f});
-  failed = strategy.reduce(failed, ReduceOp::kSum);
-  const int n = static_cast<int>(failed.item<float>());
+  const auto [n, first] = gather_save_errors(strategy, error);
   if (n == 0) return;
   if (!partial.empty()) {
     std::error_code ec;
@@ -451,8 +497,7 @@ void agree_on_save(Strategy& strategy, const std::string& error, const fs::path&
               strategy.rank(), ": ", error, "; nothing was published (", target.string(),
               " is as it was). HINT: free space or make the checkpoint directory writable");
   TORCH_CHECK(false, "[checkpoint] saving ", target.string(), " failed on ", n, " other rank(s) "
-              "(their errors say why); nothing was published (", target.string(),
-              " is as it was)");
+              "(", first, "); nothing was published (", target.string(), " is as it was)");
 }
 
 // A load fails on a rank (a damaged file): every rank learns it and throws; the ones that read
@@ -616,14 +661,30 @@ void save_checkpoint(const std::string& dir, Strategy& strategy, torch::nn::Modu
     error = ckpt::output_problem("", target, ckpt::OutputKind::kCheckpointDir,
                                  /*overwrite=*/true, "");
     std::error_code ec;
+    const std::string& run = ckpt::current_or_new_run_id();
     if (error.empty() && fs::exists(fs::symlink_status(partial, ec))) {
-      error = partial.string() + " exists (left by an interrupted save?) and this save does not "
-              "remove what it did not create; remove it, or save to another directory";
+      // See Note [Interrupted saves] in run_records.h: this run's own leftover is reused.
+      if (ckpt::partial_reusable(partial, run, target.filename().string())) {
+        fs::remove_all(partial, ec);
+        if (ec) error = "cannot remove " + partial.string() + " (left by an interrupted save of "
+                        "this run): " + ec.message();
+      } else {
+        error = partial.string() + " exists (left by an interrupted save of another run?) and "
+                "this save does not remove what it did not create; remove it, or save to "
+                "another directory";
+      }
     }
     if (error.empty()) {
       fs::create_directories(partial.parent_path().empty() ? "." : partial.parent_path(), ec);
       created_partial = !ec && fs::create_directory(partial, ec);
       if (!created_partial) error = "cannot create " + partial.string() + ": " + ec.message();
+    }
+    if (created_partial) {
+      try {
+        ckpt::mark_partial(partial, run, target.filename().string());
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
     }
   }
   agree_on_save(strategy, error, target, created_partial ? partial : fs::path());
@@ -681,14 +742,20 @@ void save_checkpoint(const std::string& dir, Strategy& strategy, torch::nn::Modu
   }
 
   if (type == StateDictType::kFull) {
-    // Collective (all-gathers): an error here is not agreed on; the full format has no
-    // streamed state, so it fails where the sharded one would have.
-    write_full((partial / ckpt::kModelFile).string(), L.model, L, rank, progress.global_step, id);
+    // Collective (all-gathers): a failed write comes back as `error` on the writing rank, after
+    // every all-gather, so that every rank gets to agree_on_save.
+    error = write_full((partial / ckpt::kModelFile).string(), L.model, L, rank,
+                       progress.global_step, id);
     if (optimizer) {
-      write_full((partial / ckpt::kOptimizerFile).string(), L.optimizer, L, rank,
-                 progress.global_step, id);
+      std::string e = write_full((partial / ckpt::kOptimizerFile).string(), L.optimizer, L, rank,
+                                 progress.global_step, id);
+      if (error.empty()) error = e;
     }
-    strategy.save_extra_state(partial.string(), module, optimizer);
+    try {  // no collective inside
+      if (error.empty()) strategy.save_extra_state(partial.string(), module, optimizer);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
   } else {
     try {  // no collective inside: every rank gets to agree_on_save
       write_shard((partial / ckpt::shard_file_name(L.shard_rank, L.shard_world)).string(), L,
@@ -705,6 +772,7 @@ void save_checkpoint(const std::string& dir, Strategy& strategy, torch::nn::Modu
     const char* meta_file = type == StateDictType::kFull ? ckpt::kFullMetaFile
                                                           : ckpt::kShardedMetaFile;
     ckpt::write_file_atomic((partial / meta_file).string(), meta.dump(1));
+    ckpt::unmark_partial(partial);
     ckpt::publish_dir(partial, target, "[checkpoint]");
   }
   strategy.barrier();

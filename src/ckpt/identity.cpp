@@ -39,4 +39,10 @@ std::string& current_run_id() {
   return id;
 }
 
+const std::string& current_or_new_run_id() {
+  std::string& id = current_run_id();
+  if (id.empty()) id = random_id();
+  return id;
+}
+
 }  // namespace fsdp::ckpt

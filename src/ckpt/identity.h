@@ -22,7 +22,9 @@
 // Note [Run identity]
 // -------------------
 // A run is a fit and every fit that resumes from its checkpoints. Its id (32 random hex digits)
-// is drawn by rank 0 at its first save and broadcast with each save; load_checkpoint adopts the
+// is drawn by rank 0 when it first needs it (its first save, or ModelCheckpoint naming one:
+// Note [One last per run], Note [Interrupted saves] in run_records.h) and broadcast with each
+// save; load_checkpoint adopts the
 // id of the checkpoint it loads, so a resumed fit continues the run; the Trainer starts each fit
 // with no id (Trainer::setup_callbacks, trainer_checkpoint.cpp: a fresh run unless it resumes).
 // One process holds one current run id (current_run_id): a process runs one fit at a time;
@@ -56,5 +58,8 @@ std::string describe_identity(const SafetensorsHeader& header);
 std::string random_id();
 // This process's run (Note [Run identity]); "" = none yet.
 std::string& current_run_id();
+// current_run_id(), drawn first when there is none. Rank 0 only: the other ranks learn it from
+// rank 0 with the next save.
+const std::string& current_or_new_run_id();
 
 }  // namespace fsdp::ckpt

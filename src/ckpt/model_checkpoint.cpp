@@ -3,6 +3,8 @@
 #include "fsdp/checkpoint.h"
 #include "fsdp/trainer.h"
 
+#include "ckpt/identity.h"
+#include "ckpt/run_records.h"
 #include "ckpt/safetensors.h"
 
 #include <c10/util/Exception.h>
@@ -10,6 +12,8 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <iostream>
 #include <limits>
@@ -33,19 +37,22 @@ std::string sanitize(std::string s) {
 // renamed over the old one. A `last` that is a real directory (written by an older version) is
 // moved away first.
 void point_symlink(const fs::path& dir, const std::string& link, const std::string& target) {
-  const fs::path tmp = dir / ("." + link + ".tmp." + std::to_string(::getpid()));
+  const fs::path dst = dir / link;
   std::error_code ec;
+  // Only a link is replaced: a real file or directory under that name is not this callback's
+  // (Note [Writers never destroy] in src/ckpt/output.h).
+  const fs::file_status st = fs::symlink_status(dst, ec);
+  TORCH_CHECK(!fs::exists(st) || fs::is_symlink(st), "[ModelCheckpoint] ", dst.string(),
+              " is a ", fs::is_directory(st) ? "directory" : "file",
+              ", not the link this callback keeps pointing at the newest checkpoint; move it "
+              "away (it is never removed) and save again");
+  const fs::path tmp = dir / ("." + link + ".tmp." + std::to_string(::getpid()));
   fs::remove(tmp, ec);
   fs::create_directory_symlink(target, tmp, ec);
   TORCH_CHECK(!ec, "[ModelCheckpoint] cannot create symlink ", tmp.string(), ": ", ec.message(),
               "; check that ", dir.string(), " is writable");
-  const fs::path dst = dir / link;
-  if (fs::is_directory(fs::symlink_status(dst, ec))) {
-    fs::rename(dst, dir / ("." + link + ".old"), ec);
-  }
   TORCH_CHECK(std::rename(tmp.c_str(), dst.c_str()) == 0, "[ModelCheckpoint] cannot update ",
-              dst.string());
-  fs::remove_all(dir / ("." + link + ".old"), ec);
+              dst.string(), ": ", std::strerror(errno));
   ckpt::fsync_dir(dir.string());
 }
 
@@ -133,14 +140,19 @@ std::string ModelCheckpoint::format_checkpoint_name(
 
 // A name not used yet in dirpath (Lightning appends -v1, -v2, ... on a collision). Rank 0
 // looks at the directory and broadcasts the version, so every rank saves to the same path.
+// A name whose .partial this run left (Note [Interrupted saves] in src/ckpt/run_records.h) is
+// free: the save removes and reuses it.
 std::string ModelCheckpoint::unique_path(Trainer& trainer, const std::string& name) const {
   const fs::path dir(options_.dirpath);
   int64_t version = 0;
   if (trainer.is_global_zero()) {
     std::error_code ec;
+    const std::string& run = ckpt::current_or_new_run_id();
     auto taken = [&](const std::string& n) {
+      const fs::path partial = dir / (n + ".partial");
       return fs::exists(fs::symlink_status(dir / n, ec)) ||
-             fs::exists(dir / (n + ".partial"), ec);
+             (fs::exists(fs::symlink_status(partial, ec)) &&
+              !ckpt::partial_reusable(partial, run, n));
     };
     while (taken(version == 0 ? name : name + "-v" + std::to_string(version))) ++version;
   }
@@ -156,6 +168,7 @@ void ModelCheckpoint::on_fit_start(Trainer& trainer, LightningModule&) {
   // A resumed fit does not save the step it resumed from again.
   last_global_step_saved_ = trainer.global_step();
   validated_epoch_ = -1;
+  last_link_.clear();  // claimed at this fit's first save (Note [One last per run])
   if (trainer.is_global_zero()) {
     std::error_code ec;
     fs::create_directories(options_.dirpath, ec);
@@ -297,7 +310,12 @@ void ModelCheckpoint::save_now(Trainer& trainer) {
   if (!saved.empty()) trainer.save_checkpoint(saved);
   if (!own_last.empty()) trainer.save_checkpoint(own_last);
   if (zero && o.save_last && !last_model_path_.empty() && (!saved.empty() || !own_last.empty())) {
-    point_symlink(o.dirpath, "last", fs::path(last_model_path_).filename().string());
+    if (last_link_.empty()) {  // See Note [One last per run] in src/ckpt/run_records.h.
+      ckpt::LastLink link = ckpt::claim_last(o.dirpath, ckpt::current_or_new_run_id());
+      if (!link.warning.empty()) std::cerr << link.warning << "\n";
+      last_link_ = link.name;
+    }
+    point_symlink(o.dirpath, last_link_, fs::path(last_model_path_).filename().string());
   }
   if (zero) {
     for (const auto& path : evicted) delete_entry(path);

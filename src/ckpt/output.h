@@ -14,7 +14,9 @@
 // An output inside the input, or an input inside the output, is an error whatever exists.
 // What the writer stages goes to a directory it creates in this call (StagingDir: a fresh
 // sibling of the output, never a name that already exists), and only that directory is ever
-// removed by it; publishing swaps it with the output in one rename (renameat2 RENAME_EXCHANGE,
+// removed by it -- or, for save_checkpoint, a DIR.partial that an interrupted save of the same
+// run created: what the same run made counts as made by this writer, and its marker says so
+// (Note [Interrupted saves] in run_records.h; nothing without that marker is removed); publishing swaps it with the output in one rename (renameat2 RENAME_EXCHANGE,
 // or two renames where the filesystem lacks it), so a crash leaves the old output whole.
 #pragma once
 

@@ -4,9 +4,12 @@
 #include "comm/mpi_transport.h"
 #include "comm/process_group_impl.h"
 #include "comm/rendezvous.h"
+#include "common/device_choice.h"
 #include "common/settings.h"
+#include "cuda/cuda_api.h"
 
 #include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include <cstdlib>
 #include <mutex>
@@ -16,11 +19,12 @@ namespace fsdp {
 
 namespace {
 
-enum class BackendKind { kGloo, kMpi };
+enum class BackendKind { kGloo, kMpi, kNccl };
 
 struct Globals {
   std::mutex mutex;
   std::shared_ptr<detail::GroupImpl> world;
+  ProcessGroupPtr nccl_world;  // backend "nccl" (src/cuda/nccl_process_group.h): not a GroupImpl
   std::vector<std::weak_ptr<detail::GroupImpl>> groups;
   bool atexit_registered = false;
 };
@@ -33,12 +37,14 @@ Globals& globals() {
 BackendKind parse_backend(const std::string& name, const detail::Settings& settings) {
   if (name == "gloo") return BackendKind::kGloo;
   if (name == "mpi") return BackendKind::kMpi;
+  if (name == "nccl") return BackendKind::kNccl;
   if (name == "auto" || name.empty()) {
     return settings.mpirun_world_size && detail::mpi_built() ? BackendKind::kMpi
                                                              : BackendKind::kGloo;
   }
   TORCH_CHECK(false, "[init_process_group] unknown backend '", name,
-              "'; valid backends: gloo, mpi, auto (mpi when launched by mpirun, else gloo)");
+              "'; valid backends: gloo, mpi, nccl (CUDA builds), auto (mpi when launched by mpirun, "
+              "else gloo)");
 }
 
 std::chrono::milliseconds timeout_from(const ProcessGroupOptions& options,
@@ -54,6 +60,7 @@ void shutdown_all_locked(Globals& g) {
   }
   g.groups.clear();
   g.world.reset();
+  g.nccl_world.reset();  // destroys the communicator once no Work or subgroup holds it
 }
 
 void at_exit() {
@@ -78,6 +85,39 @@ void track_group(const std::shared_ptr<GroupImpl>& group) {
 }
 }  // namespace detail
 
+namespace {
+// Backend "nccl": this rank's device (src/common/device_choice.h: one rank per device), the
+// rendezvous store for the ncclUniqueId, one communicator. The Gloo/MPI machinery (comm thread,
+// Monitor) is not used: NCCL queues on CUDA streams (Note [NCCL streams]).
+ProcessGroupPtr init_nccl_world(const ProcessGroupOptions& options,
+                                const detail::Settings& settings, int rank, int size,
+                                std::chrono::milliseconds timeout) {
+  const detail::DeviceFacts facts{detail::cuda_built(), detail::cuda_device_count()};
+  if (!facts.cuda_built) return detail::make_nccl_group({});  // the "no CUDA in this build" error
+  const LaunchInfo& launch = settings.launch;
+  const detail::DeviceChoice device = detail::choose_device(
+      "cuda", launch.local_rank, std::max(launch.local_world_size, 1), "nccl", facts);
+  detail::NcclGroupOptions no;
+  no.rank = rank;
+  no.size = size;
+  no.device = device.index;
+  no.timeout = std::max<std::chrono::milliseconds>(timeout, std::chrono::minutes(1));
+  if (size > 1) {
+    detail::RendezvousOptions ro;
+    ro.rank = rank;
+    ro.size = size;
+    ro.master_addr = !options.master_addr.empty() ? options.master_addr : launch.master_addr;
+    ro.master_port = options.master_port > 0 ? options.master_port : launch.master_port;
+    ro.job_id = settings.job_id;
+    ro.timeout = no.timeout;
+    no.store = detail::rendezvous(ro).store;
+  } else {
+    no.store = c10::make_intrusive<c10d::HashStore>();
+  }
+  return detail::make_nccl_group(no);
+}
+}  // namespace
+
 ProcessGroupPtr init_process_group(const ProcessGroupOptions& options) {
   const detail::Settings settings = detail::read_settings();
   const BackendKind kind = parse_backend(options.backend, settings);
@@ -97,6 +137,14 @@ ProcessGroupPtr init_process_group(const ProcessGroupOptions& options) {
   int size = options.world_size > 0 ? options.world_size : launch.world_size;
   TORCH_CHECK(size >= 1 && rank >= 0 && rank < size, "[init_process_group] rank ", rank,
               " is not in [0, world size ", size, "); check RANK and WORLD_SIZE");
+
+  if (kind == BackendKind::kNccl) {
+    auto group = init_nccl_world(options, settings, rank, size, timeout);
+    auto& g = globals();
+    std::lock_guard<std::mutex> lock(g.mutex);
+    g.nccl_world = group;
+    return group;
+  }
 
   detail::GroupConfig cfg;
   cfg.backend = kind == BackendKind::kGloo ? "gloo" : "mpi";
@@ -176,7 +224,8 @@ ProcessGroupPtr init_process_group(const ProcessGroupOptions& options) {
 ProcessGroupPtr world_group() {
   auto& g = globals();
   std::lock_guard<std::mutex> lock(g.mutex);
-  return g.world;
+  if (g.world) return g.world;
+  return g.nccl_world;
 }
 
 void destroy_process_group() {

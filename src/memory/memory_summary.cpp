@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "common/settings.h"
+#include "cuda/cuda_api.h"
 #include "fsdp/comm.h"
 #include "fsdp/memory.h"
 
@@ -37,6 +38,14 @@ std::string memory_summary() {
   out << row("current RSS", format_bytes(current_rss_bytes()));
   out << row("peak RSS", format_bytes(peak_rss_bytes()));
   out << row("budget", s.budget_bytes > 0 ? format_bytes(s.budget_bytes) : std::string("none"));
+  // CUDA build with a visible device: the caching allocator's counters of the current device
+  // (torch.cuda.max_memory_allocated's), beside the host figures above.
+  if (auto d = detail::device_memory_stats()) {
+    const std::string dev = " (cuda:" + std::to_string(d->device) + ")";
+    out << row("device peak", format_bytes(d->peak_allocated) + dev);
+    out << row("device current", format_bytes(d->current_allocated) + dev);
+    out << row("device reserved", format_bytes(d->peak_reserved) + " peak" + dev);
+  }
   return out.str();
 }
 

@@ -22,6 +22,8 @@
 // that instant retries for half a second before it calls the directory taken.
 #include "offload/swap_owner.h"
 
+#include "common/process.h"
+
 #include "fsdp/memory.h"
 
 #include <c10/util/Exception.h>
@@ -51,21 +53,6 @@ namespace {
 namespace fs = std::filesystem;
 
 constexpr const char* kOwnerFile = "owner.lock";
-
-std::string host_name() {
-  char buf[256] = {0};
-  if (::gethostname(buf, sizeof(buf) - 1) != 0) return "unknown";
-  return buf;
-}
-
-std::string utc_now() {
-  const std::time_t t = std::time(nullptr);
-  std::tm tm{};
-  ::gmtime_r(&t, &tm);
-  char buf[32];
-  std::strftime(buf, sizeof(buf), "%Y-%m-%dT%H:%M:%SZ", &tm);
-  return buf;
-}
 
 // The owner record: "pid=…\nhost=…\njob=…\nsince=…\n". Returns false when `fd` holds none.
 bool read_owner(int fd, SwapOwner* out) {

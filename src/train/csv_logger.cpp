@@ -1,6 +1,10 @@
 #include "train/csv_logger.h"
 
+#include "fsdp/logger.h"
+
 #include <c10/util/Exception.h>
+#include <fcntl.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -25,30 +29,43 @@ std::string csv_escape(const std::string& s) {
 
 }  // namespace
 
-CsvLogger::CsvLogger(const std::string& root) {
+std::string create_version_dir(const std::string& root, int64_t version, const char* who) {
   std::error_code ec;
   fs::create_directories(root, ec);
-  TORCH_CHECK(!ec, "[CsvLogger] cannot create log directory '", root, "': ", ec.message(),
+  TORCH_CHECK(!ec, "[", who, "] cannot create log directory '", root, "': ", ec.message(),
               "; set default_root_dir (--default-root-dir) to a writable directory");
-  int next = 0;
+  if (version >= 0) {
+    fs::path dir = fs::path(root) / ("version_" + std::to_string(version));
+    fs::create_directory(dir, ec);
+    TORCH_CHECK(!ec, "[", who, "] cannot create '", dir.string(), "': ", ec.message());
+    return dir.string();
+  }
+  int64_t next = 0;
   for (const auto& entry : fs::directory_iterator(root, ec)) {
     const std::string name = entry.path().filename().string();
     if (name.rfind("version_", 0) != 0) continue;
     try {
-      next = std::max(next, std::stoi(name.substr(8)) + 1);
+      next = std::max<int64_t>(next, std::stoll(name.substr(8)) + 1);
     } catch (...) {
     }
   }
   // create_directory is atomic: if another run took version_N first, try the next one.
-  for (int v = next;; ++v) {
+  for (int64_t v = next;; ++v) {
     fs::path dir = fs::path(root) / ("version_" + std::to_string(v));
-    if (fs::create_directory(dir, ec)) {
-      dir_ = dir.string();
-      break;
-    }
-    TORCH_CHECK(!ec, "[CsvLogger] cannot create '", dir.string(), "': ", ec.message());
+    if (fs::create_directory(dir, ec)) return dir.string();
+    TORCH_CHECK(!ec, "[", who, "] cannot create '", dir.string(), "': ", ec.message());
   }
-  write_all();  // an empty file with the header, so the path exists from the start
+}
+
+CsvLogger::CsvLogger(std::string dir) : dir_(std::move(dir)) {
+  // O_EXCL: a metrics.csv that exists belongs to another run (or an explicit version reused).
+  const int fd = ::open(path().c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  TORCH_CHECK(fd >= 0, "[CSVLogger] cannot create '", path(), "': ", std::strerror(errno),
+              errno == EEXIST ? "; it belongs to another run: choose another version (or none, "
+                                "for the next free one)"
+                              : "");
+  ::close(fd);
+  write_all();  // the header, so the path holds a valid CSV from the start
 }
 
 void CsvLogger::log(int64_t step, int64_t epoch, const std::map<std::string, double>& metrics) {
@@ -93,3 +110,28 @@ void CsvLogger::write_all() const {
 }
 
 }  // namespace fsdp::detail
+
+namespace fsdp {
+
+CSVLogger::CSVLogger(std::string save_dir, int64_t version)
+    : save_dir_(std::move(save_dir)), version_(version) {}
+
+CSVLogger::~CSVLogger() = default;
+
+void CSVLogger::setup() {
+  // A second fit with the same logger keeps appending to its file.
+  if (!impl_) {
+    impl_ = std::make_unique<detail::CsvLogger>(
+        detail::create_version_dir(save_dir_, version_, "CSVLogger"));
+  }
+}
+
+void CSVLogger::log_metrics(const std::map<std::string, double>& metrics, int64_t step,
+                            int64_t epoch) {
+  TORCH_CHECK(impl_, "[CSVLogger] log_metrics before setup()");
+  impl_->log(step, epoch, metrics);
+}
+
+std::string CSVLogger::log_dir() const { return impl_ ? impl_->dir() : std::string(); }
+
+}  // namespace fsdp

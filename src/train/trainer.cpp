@@ -4,23 +4,24 @@
 #include "fsdp/offload.h"
 
 #include "comm/backend_choice.h"
+#include "common/device_choice.h"
 #include "common/settings.h"
 #include "common/text.h"
+#include "cuda/cuda_api.h"
 #include "fsdp/comm.h"
 #include "fsdp/memory.h"
 #include "fsdp/precision.h"
-#include "train/csv_logger.h"
 #include "train/metrics.h"
 #include "train/progress_bar.h"
 
 #include <c10/util/Exception.h>
-#include <torch/cuda.h>
 #include <torch/utils.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
 #include <iomanip>
 #include <iostream>
 #include <sstream>
@@ -29,27 +30,23 @@
 namespace fsdp {
 namespace {
 
-const std::vector<std::string> kAccelerators = {"cpu", "auto", "cuda", "gpu"};
-
 bool contains(const std::vector<std::string>& v, const std::string& x) {
   return std::find(v.begin(), v.end(), x) != v.end();
 }
 
 void check_precision(const std::string& p) { check_precision_supported(parse_precision(p)); }
 
-void check_accelerator(const std::string& a) {
-  if (a == "cpu" || a == "auto") return;
-  if (a == "cuda" || a == "gpu") {
-    TORCH_CHECK(torch::cuda::is_available(), "[Trainer] accelerator '", a,
-                "' needs a CUDA build of libtorch and a visible GPU, but "
-                "torch::cuda::is_available() is false (this libtorch is CPU-only or no GPU is "
-                "visible). Use accelerator='cpu' (--accelerator cpu).");
-    TORCH_CHECK(false, "[Trainer] accelerator '", a,
-                "': CUDA devices are detected, but the CUDA path of fsdp.cpp is not implemented "
-                "yet. Use accelerator='cpu'.");
-  }
-  TORCH_CHECK(false, "[Trainer] unknown accelerator '", a, "'; valid values: ",
-              detail::quoted_list(kAccelerators));
+// The device rules live in src/common/device_choice.h. A CUDA device chosen is refused here:
+// the strategies, optimizers and checkpoints still assume CPU tensors (docs/gpu.md).
+void check_accelerator(const TrainerOptions& o) {
+  const detail::DeviceFacts facts{detail::cuda_built(), detail::cuda_device_count()};
+  const detail::DeviceChoice choice = detail::choose_device(
+      o.accelerator, /*local_rank=*/0, std::max(o.devices, 1), o.process_group_backend, facts);
+  TORCH_CHECK(!choice.cuda, "[Trainer] accelerator '", o.accelerator, "' chose cuda:",
+              choice.index, ", but training is not on CUDA yet: this build has the NCCL process "
+              "group, device selection and device memory statistics, while the strategies, "
+              "optimizers and checkpoints still assume CPU tensors (docs/gpu.md). Use "
+              "accelerator='cpu' (--accelerator cpu).");
 }
 
 void check_limit(const char* name, double v) {
@@ -80,7 +77,7 @@ bool announces_backend(const detail::Settings& settings) {
 }
 
 void check_options(const TrainerOptions& o) {
-  check_accelerator(o.accelerator);
+  check_accelerator(o);
   check_precision(o.precision);
   TORCH_CHECK(o.devices >= 1, "[Trainer] devices must be >= 1, got ", o.devices);
   TORCH_CHECK(o.num_nodes >= 1, "[Trainer] num_nodes must be >= 1, got ", o.num_nodes);
@@ -143,7 +140,7 @@ void seed_everything(uint64_t seed) {
 
 std::vector<std::string> Trainer::precision_names() { return fsdp::precision_names(); }
 
-std::vector<std::string> Trainer::accelerator_names() { return kAccelerators; }
+std::vector<std::string> Trainer::accelerator_names() { return detail::kAcceleratorNames; }
 
 Trainer::Trainer(TrainerOptions options) : options_(std::move(options)) {
   // Checked before launching, so a bad option or setting fails once in the parent, not in
@@ -280,13 +277,29 @@ struct Trainer::FitLoop {
   Clock::time_point loop_start;
   Clock::time_point first_step_done;
   // Reporting.
-  std::unique_ptr<detail::CsvLogger> csv;
+  std::vector<LoggerPtr> loggers;  // global rank 0 only
   std::unique_ptr<detail::ProgressBar> bar;
   detail::MetricTracker metrics;
 
   FitLoop(LightningModule& m, DataLoader& train, DataLoader* val, OptimizerConfig o,
           Strategy& strategy)
       : module(m), train_loader(train), val_loader(val), opt(std::move(o)), metrics(strategy) {}
+  // Also when fit ends with an error: what was logged is on disk.
+  ~FitLoop() {
+    for (const auto& l : loggers) {
+      try {
+        l->finalize();
+      } catch (const std::exception&) {
+      }
+    }
+  }
+  FitLoop(const FitLoop&) = delete;
+  FitLoop& operator=(const FitLoop&) = delete;
+
+  void log_row(const std::map<std::string, double>& row, int64_t step, int64_t epoch) {
+    if (row.empty()) return;
+    for (const auto& l : loggers) l->log_metrics(row, step, epoch);
+  }
   double loss_sum = 0;  // this rank's undivided training losses since the last step
   // This step's parts so far (FitResults::forward_seconds ...) and the comm-thread clock at the
   // end of the last step.
@@ -360,7 +373,7 @@ void Trainer::fit_impl(LightningModule& module, DataLoader& train_loader,
     }
 
     auto epoch_values = L.metrics.finish_epoch();
-    if (L.csv && !epoch_values.empty()) L.csv->log(global_step_, epoch, epoch_values);
+    L.log_row(epoch_values, global_step_, epoch);
     for (const auto& kv : epoch_values) results_.metrics[kv.first] = kv.second;
     for (const auto& kv : epoch_values) callback_metrics_[kv.first] = kv.second;
     for (const auto& cb : fit_callbacks_) cb->on_train_epoch_end(*this, module);
@@ -443,8 +456,21 @@ std::unique_ptr<Trainer::FitLoop> Trainer::setup_fit(LightningModule& module,
   L.run_val = val_loader != nullptr && o.limit_val_batches != 0;
 
   if (is_global_zero() && o.logger) {
-    L.csv = std::make_unique<detail::CsvLogger>(o.default_root_dir);
-    results_.log_dir = L.csv->dir();
+    if (o.loggers.empty()) {
+      // The defaults share one version_N: the CSV logger picks it, TensorBoard's joins it.
+      auto csv = std::make_shared<CSVLogger>(o.default_root_dir);
+      csv->setup();
+      const std::string version = std::filesystem::path(csv->log_dir()).filename().string();
+      L.loggers = {csv, std::make_shared<TensorBoardLogger>(
+                            o.default_root_dir, std::stoll(version.substr(8)))};
+    } else {
+      L.loggers = o.loggers;
+    }
+    for (const auto& l : L.loggers) {
+      TORCH_CHECK(l, "[Trainer] TrainerOptions::loggers holds a null logger");
+      l->setup();
+    }
+    results_.log_dir = L.loggers.front()->log_dir();
   }
   if (is_global_zero() && o.enable_progress_bar) {
     L.bar = std::make_unique<detail::ProgressBar>(
@@ -504,7 +530,7 @@ void Trainer::optimizer_step(FitLoop& L) {
   if (grad_scaler_) grad_scaler_->unscale(*L.opt.optimizer);
   L.module.on_before_optimizer_step(*L.opt.optimizer);
   if (options_.gradient_clip_val > 0) {
-    strategy_->clip_grad_norm(L.module, options_.gradient_clip_val);
+    results_.grad_norms.push_back(strategy_->clip_grad_norm(L.module, options_.gradient_clip_val));
   }
   if (grad_scaler_) {
     grad_scaler_->step(*L.opt.optimizer, [&] { strategy_->optimizer_step(*L.opt.optimizer); });
@@ -543,10 +569,7 @@ void Trainer::report_step(FitLoop& L) {
   for (const auto& kv : L.metrics.step_values()) callback_metrics_[kv.first] = kv.second;
   results_.steps = global_step_;
   L.last_loss = global_loss;
-  if (L.csv && log_now) {
-    auto row = L.metrics.step_values();
-    if (!row.empty()) L.csv->log(global_step_, current_epoch_, row);
-  }
+  if (log_now) L.log_row(L.metrics.step_values(), global_step_, current_epoch_);
 }
 
 // Validation inside fit (val_check_interval, or the end of an epoch).
@@ -554,7 +577,7 @@ void Trainer::validate_during_fit(FitLoop& L) {
   auto val = evaluate(L.module, *L.val_loader, "val");
   L.module.on_validation_epoch_end();
   L.module.train();
-  if (L.csv && !val.empty()) L.csv->log(global_step_, current_epoch_, val);
+  L.log_row(val, global_step_, current_epoch_);
   for (const auto& kv : val) results_.metrics[kv.first] = kv.second;
   for (const auto& kv : val) callback_metrics_[kv.first] = kv.second;
   L.metrics.set_progress_bar_extra(val);
