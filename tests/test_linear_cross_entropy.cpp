@@ -71,6 +71,31 @@ TEST(LinearCrossEntropy, ChunkedEqualsWholeLogitsWithin1e6) {
   }
 }
 
+TEST(LinearCrossEntropy, FrozenHeadAndNoGradGiveTheSameLoss) {
+  // Gradients are formed in forward only for inputs that require them: a frozen head (LoRA's
+  // case) gets none and the hidden states the same gradient; under NoGradGuard nothing at all.
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+  at::Tensor hidden = at::randn({70, 8}, gen, at::kDouble);
+  at::Tensor weight = at::randn({50, 8}, gen, at::kDouble);
+  at::Tensor target = at::randint(50, {70}, gen, at::kLong);
+  fsdp::VocabLossPolicy whole, chunked;
+  whole.chunk_tokens = fsdp::VocabLossPolicy::kWholeLogits;
+  chunked.chunk_tokens = 9;
+  at::Tensor h1 = hidden.clone().requires_grad_(true);
+  fsdp::linear_cross_entropy(h1, weight, {}, target, whole).backward();
+  at::Tensor h2 = hidden.clone().requires_grad_(true);
+  at::Tensor w2 = weight.clone();  // frozen
+  at::Tensor l2 = fsdp::linear_cross_entropy(h2, w2, {}, target, chunked);
+  l2.backward();
+  EXPECT_LE(relative(h2.grad(), h1.grad()), 1e-12);
+  EXPECT_FALSE(w2.grad().defined());
+  at::Tensor h3 = hidden.clone().requires_grad_(true);
+  torch::NoGradGuard no_grad;
+  at::Tensor l3 = fsdp::linear_cross_entropy(h3, weight, {}, target, chunked);
+  EXPECT_FALSE(l3.requires_grad());
+  EXPECT_EQ(l3.item<double>(), l2.item<double>());
+}
+
 TEST(LinearCrossEntropy, IgnoredTargetsAddNothing) {
   // The same tokens with the ignored ones removed give the same mean and gradients.
   auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
@@ -96,7 +121,11 @@ TEST(LinearCrossEntropy, IgnoredTargetsAddNothing) {
 
 TEST(LinearCrossEntropy, ChunkRule) {
   fsdp::VocabLossPolicy p;  // auto: chunks of logits no larger than the hidden states
-  EXPECT_EQ(fsdp::chunk_tokens_for(p, 140, 33278, 512), 3);   // ceil(140 / 65)
+  // ceil(140 / 65) = 3 is below the 64-token floor: two chunks of 70.
+  EXPECT_EQ(fsdp::chunk_tokens_for(p, 140, 33278, 512), 70);
+  EXPECT_EQ(fsdp::chunk_tokens_for(p, 127, 33278, 512), 127);  // floor: one chunk
+  EXPECT_EQ(fsdp::chunk_tokens_for(p, 128, 33278, 512), 64);
+  EXPECT_EQ(fsdp::chunk_tokens_for(p, 200, 33278, 512), 67);   // three equal chunks
   EXPECT_EQ(fsdp::chunk_tokens_for(p, 8192, 50257, 768), 125);  // ceil(8192 / 66)
   EXPECT_EQ(fsdp::chunk_tokens_for(p, 100, 64, 128), 100);    // vocab <= width: one chunk
   p.chunk_tokens = 7;

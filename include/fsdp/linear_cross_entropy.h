@@ -1,7 +1,8 @@
 // The loss of a vocabulary head without its whole logits: cross-entropy(x W^T + b, target) over
 // chunks of tokens. Each chunk's logits are computed, reduced to the chunk's share of the loss
-// and dropped; backward recomputes them chunk by chunk (Liger's fused linear-cross-entropy
-// idea), so the (tokens x vocab) logits, their log-softmax and their gradient never exist whole.
+// and, when a gradient is wanted, to the chunk's share of the gradients, then dropped (Liger's
+// fused linear-cross-entropy idea), so the (tokens x vocab) logits, their log-softmax and their
+// gradient never exist whole; backward only scales the gradients forward formed.
 //
 //   at::Tensor h = trunk(input).reshape({-1, E});                 // (N, E)
 //   at::Tensor loss = fsdp::linear_cross_entropy(h, W, b, target.reshape(-1));
@@ -25,10 +26,15 @@ struct VocabLossPolicy {
   int64_t ignore_index = -100;  // targets equal to it count neither in the sum nor the mean
 };
 
+// Fewest tokens per chunk under kAuto: smaller chunks make the head's matmuls bound by reading
+// the whole weight once per chunk (Note [Chunked linear cross-entropy]).
+constexpr int64_t kMinChunkTokens = 64;
+
 // The chunk length `policy` gives for `tokens` rows of width `hidden` into `vocab` logits;
 // `tokens` (one chunk) means the whole logits at once. kAuto: ceil(tokens / ceil(vocab /
-// hidden)), so a chunk's logits are no larger than the hidden states; when vocab <= hidden
-// that is one chunk (chunking would save nothing).
+// hidden)), so a chunk's logits are no larger than the hidden states, but never fewer than
+// kMinChunkTokens tokens per chunk (then equal chunks of at least that many; under 128 tokens
+// is one chunk); when vocab <= hidden, one chunk (chunking would save nothing).
 int64_t chunk_tokens_for(const VocabLossPolicy& policy, int64_t tokens, int64_t vocab,
                          int64_t hidden);
 
