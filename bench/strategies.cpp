@@ -31,6 +31,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <functional>
@@ -50,6 +51,7 @@ struct Config {
   int64_t block_size = 35;
   std::string wrap_policy = "layers";
   int64_t vocab_size = 0;  // 0: fsdp-train's default for synthetic data (the preset's, capped at 1024)
+  int64_t loss_chunk_tokens = 0;  // fsdp-train --loss-chunk-tokens: 0 auto, -1 whole logits
   std::string fsdp_train;
   std::string work_dir;
   bool json_only = false;
@@ -153,6 +155,7 @@ json run_one(const Config& c, const Entry& e) {
                                    "--default-root-dir", (dir / "logs").string(),
                                    "--summary-json", summary.string()};
   if (c.vocab_size > 0) argv.insert(argv.end(), {"--vocab-size", std::to_string(c.vocab_size)});
+  argv.insert(argv.end(), {"--loss-chunk-tokens", std::to_string(c.loss_chunk_tokens)});
   argv.insert(argv.end(), e.extra.begin(), e.extra.end());
   std::fprintf(stderr, "[bench strategies] %s on %d rank(s) ...\n", e.label.c_str(), c.devices);
   const int code = fsdp::bench::run_program(argv, dir / (e.label + ".out"),
@@ -198,6 +201,10 @@ int run_strategies(const std::vector<std::string>& args) {
   app.add_option("--vocab-size", c.vocab_size,
                  "synthetic vocabulary (0: fsdp-train's default, the preset's capped at 1024; "
                  "33278 is transformer-small's own, the seed table's)")
+      ->capture_default_str();
+  app.add_option("--loss-chunk-tokens", c.loss_chunk_tokens,
+                 "the head's loss in chunks of N tokens (0: fsdp-train's rule, -1: whole logits)")
+      ->check(CLI::Range(int64_t{-1}, std::numeric_limits<int64_t>::max()))
       ->capture_default_str();
   app.add_option("--fsdp-train", c.fsdp_train, "path of fsdp-train (default: beside fsdp-bench)");
   app.add_option("--work-dir", c.work_dir, "logs and summaries (default: a fresh /tmp dir)");
@@ -258,6 +265,7 @@ int run_strategies(const std::vector<std::string>& args) {
   out["bench"] = "strategies";
   out["load_average_start"] = fsdp::bench::load_average();
   out["config"] = {{"model", c.model},           {"vocab_size", c.vocab_size}, {"devices", c.devices},
+                   {"loss_chunk_tokens", c.loss_chunk_tokens},
                    {"steps", c.steps},           {"timed_steps", c.steps - 1},
                    {"batch_size_per_rank", c.batch_size}, {"block_size", c.block_size},
                    {"wrap_policy", c.wrap_policy}, {"optimizer", "adam"},
