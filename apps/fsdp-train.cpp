@@ -88,7 +88,7 @@ int dry_run(const Args& a, const CommonFlags& flags) {
     model = fsdp::app::build_model(spec);
   }
   const int64_t params = fsdp::app::count_parameters(*model);
-  const fsdp::StrategyOptions options = flags.strategy_options(spec.layer_types());
+  const fsdp::StrategyOptions options = flags.strategy_options(spec.unit_types());
   const auto rows = fsdp::app::plan_strategies(*model, options, a.world(), t.devices, t.num_nodes);
   std::cout << "[fsdp-train] dry run: model " << spec.name << ", " << fsdp::app::with_commas(params)
             << " parameters (" << fsdp::format_bytes(params * 4) << " fp32), vocab "
@@ -146,7 +146,7 @@ std::string loss_reference(const Args& a, int64_t vocab) {
 fsdp::TrainerOptions trainer_options(const Args& a, const CommonFlags& flags,
                                      fsdp::app::RunRecorders* recorders) {
   fsdp::TrainerOptions t = a.common.trainer;
-  t.strategy = flags.make_strategy(flags.strategy_options(a.model.layer_types()));
+  t.strategy = flags.make_strategy(flags.strategy_options(a.model.unit_types()));
   *recorders = fsdp::app::add_run_recorders(t);
   fsdp::app::set_loggers(t, a.logger);
   if (!a.save_initial_weights.empty()) {
@@ -341,6 +341,12 @@ int main(int argc, char** argv) {
       ->check(at_least(int64_t{0}));
   app.add_option("--dropout", a.model.dropout, "dropout probability")
       ->check(between(0.0, 1.0));
+  app.add_option("--loss-chunk-tokens", a.model.loss.chunk_tokens,
+                 "tokens per chunk of the head's logits in the loss (fsdp::linear_cross_entropy): "
+                 "0 = auto (ceil(tokens / ceil(vocab / width)), on whenever the vocabulary is "
+                 "wider than the model), -1 = off (the whole logits at once), N = N tokens")
+      ->check(at_least(int64_t{-1}))
+      ->capture_default_str();
   app.option_defaults()->group("Optimizer");
   app.add_option("--optimizer", a.optimizer.name,
                  "adam | adamw | sgd | cpu_adam | cpu_adamw (fused CPU Adam / AdamW, fsdp::optim::CPUAdam)")

@@ -11,9 +11,16 @@
 // excluded), each also as a ratio to DDP measured in the same run. JSON on stdout, a markdown
 // table on stderr. FULL_SHARD+AC is FULL_SHARD with fsdp-train --activation-checkpointing (the
 // layers recompute their activations in backward).
+//
+// Beside each measured peak it prints the arithmetic peak that strategy should reach and the
+// measured ÷ arithmetic ratio (Note [Arithmetic peak] below).
 #include "bench.h"
 #include "../apps/cli.h"
 #include "runs.h"
+#include "shard/wrap_policy.h"
+
+#include <fsdp/init.h>
+#include <fsdp/models.h>
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -24,8 +31,11 @@
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
+#include <limits>
 #include <sstream>
 #include <string>
+#include <functional>
+#include <set>
 #include <vector>
 
 namespace {
@@ -41,6 +51,7 @@ struct Config {
   int64_t block_size = 35;
   std::string wrap_policy = "layers";
   int64_t vocab_size = 0;  // 0: fsdp-train's default for synthetic data (the preset's, capped at 1024)
+  int64_t loss_chunk_tokens = 0;  // fsdp-train --loss-chunk-tokens: 0 auto, -1 whole logits
   std::string fsdp_train;
   std::string work_dir;
   bool json_only = false;
@@ -60,6 +71,78 @@ struct Entry {
   std::vector<std::string> extra;
 };
 
+// Note [Arithmetic peak]
+// ----------------------
+// What a strategy's peak tensor bytes per rank should be, with fp32 parameters and Adam (4 B of
+// parameter, gradient, exp_avg and exp_avg_sq each), P parameters, world W, the model's units as
+// the strategy's wrap policy selects them (root: what no unit took), and A the activations the
+// run's tracker charged to the forward at its peak (peak_breakdown_mb "activations"):
+//   DDP            16 P + A                          (everything replicated)
+//   FULL_SHARD,    16 P / W                          sharded state
+//   ZeRO-3         + 8 root                          the root unit, unsharded all step, and its gradient
+//                  + 8 largest unit                  the largest unit unsharded and its gradient
+//                  + A
+//   SHARD_GRAD_OP  16 P / W + 4 (P - root) + 8 root + 4 largest unit + A  (units stay gathered
+//                  from forward until their backward)
+// The measured peak above it is what the engine holds beyond the arithmetic (all-gather and
+// reduce-scatter buffers, a second unit in flight, the loss's logits).
+struct UnitSizes {
+  int64_t params = 0;   // P
+  int64_t root = 0;     // elements no unit took
+  int64_t largest = 0;  // elements of the largest unit
+};
+
+UnitSizes unit_sizes(const Config& c, const fsdp::AutoWrapPolicy& policy) {
+  std::shared_ptr<fsdp::nn::Module> model;
+  {
+    fsdp::MetaInitGuard meta;  // shapes only
+    // fsdp-train's synthetic vocabulary: --vocab-size, else the preset's capped at 1024.
+    const int64_t preset = fsdp::demos::is_transformer_model(c.model)
+                               ? fsdp::demos::transformer_preset(c.model).vocab_size
+                               : fsdp::demos::gpt_preset(c.model).vocab_size;
+    model = fsdp::demos::make_model(
+        c.model, c.vocab_size > 0 ? c.vocab_size : std::min<int64_t>(preset, 1024));
+  }
+  UnitSizes u;
+  std::set<const c10::TensorImpl*> counted;
+  auto count = [&](torch::nn::Module& m, const std::set<const torch::nn::Module*>& stop) {
+    int64_t n = 0;
+    std::function<void(torch::nn::Module&, bool)> walk = [&](torch::nn::Module& x, bool top) {
+      if (!top && stop.count(&x)) return;
+      for (auto& p : x.parameters(/*recurse=*/false)) {
+        if (counted.insert(p.unsafeGetTensorImpl()).second) n += p.numel();
+      }
+      for (auto& child : x.children()) walk(*child, false);
+    };
+    walk(m, true);
+    return n;
+  };
+  const auto units = fsdp::detail::select_units(*model, policy, {});
+  std::set<const torch::nn::Module*> unit_modules;
+  for (const auto& spec : units) unit_modules.insert(spec.module);
+  // Innermost units first, so that a unit nested in another counts in the inner one.
+  for (auto it = units.rbegin(); it != units.rend(); ++it) {
+    std::set<const torch::nn::Module*> inner = unit_modules;
+    inner.erase(it->module);
+    u.largest = std::max(u.largest, count(*it->module, inner));
+  }
+  u.root = count(*model, unit_modules);
+  for (auto& p : model->parameters()) u.params += p.numel();
+  return u;
+}
+
+// Bytes: see Note [Arithmetic peak]; `activation_bytes` is A.
+double arithmetic_peak(const std::string& label, const UnitSizes& u, int world,
+                       double activation_bytes) {
+  const double P = static_cast<double>(u.params), W = world;
+  if (label == "DDP") return 16 * P + activation_bytes;
+  const double state = 16 * P / W + 8.0 * u.root;
+  if (label == "SHARD_GRAD_OP") {
+    return state + 4.0 * (u.params - u.root) + 4.0 * u.largest + activation_bytes;
+  }
+  return state + 8.0 * u.largest + activation_bytes;
+}
+
 json run_one(const Config& c, const Entry& e) {
   const fs::path dir = c.work_dir;
   const fs::path summary = dir / ("summary_" + e.label + ".json");
@@ -72,6 +155,7 @@ json run_one(const Config& c, const Entry& e) {
                                    "--default-root-dir", (dir / "logs").string(),
                                    "--summary-json", summary.string()};
   if (c.vocab_size > 0) argv.insert(argv.end(), {"--vocab-size", std::to_string(c.vocab_size)});
+  argv.insert(argv.end(), {"--loss-chunk-tokens", std::to_string(c.loss_chunk_tokens)});
   argv.insert(argv.end(), e.extra.begin(), e.extra.end());
   std::fprintf(stderr, "[bench strategies] %s on %d rank(s) ...\n", e.label.c_str(), c.devices);
   const int code = fsdp::bench::run_program(argv, dir / (e.label + ".out"),
@@ -89,6 +173,14 @@ json run_one(const Config& c, const Entry& e) {
   r["peak_alloc_mb"] = max_of(s["peak_alloc_mb"]);
   r["peak_rss_mb"] = max_of(s["peak_rss_mb"]);
   r["peak_alloc_mb_per_rank"] = s["peak_alloc_mb"];
+  // The breakdown of the rank with the highest peak (Note [Memory categories] in fsdp/memory.h).
+  size_t top = 0;
+  for (size_t i = 0; i < s["peak_alloc_mb"].size(); ++i) {
+    if (s["peak_alloc_mb"][i].get<double>() > s["peak_alloc_mb"][top].get<double>()) top = i;
+  }
+  if (s.contains("peak_breakdown_mb") && top < s["peak_breakdown_mb"].size()) {
+    r["peak_breakdown_mb"] = s["peak_breakdown_mb"][top];
+  }
   r["params"] = s["params"];
   r["final_loss"] = s["final_loss"];
   return r;
@@ -109,6 +201,10 @@ int run_strategies(const std::vector<std::string>& args) {
   app.add_option("--vocab-size", c.vocab_size,
                  "synthetic vocabulary (0: fsdp-train's default, the preset's capped at 1024; "
                  "33278 is transformer-small's own, the seed table's)")
+      ->capture_default_str();
+  app.add_option("--loss-chunk-tokens", c.loss_chunk_tokens,
+                 "the head's loss in chunks of N tokens (0: fsdp-train's rule, -1: whole logits)")
+      ->check(CLI::Range(int64_t{-1}, std::numeric_limits<int64_t>::max()))
       ->capture_default_str();
   app.add_option("--fsdp-train", c.fsdp_train, "path of fsdp-train (default: beside fsdp-bench)");
   app.add_option("--work-dir", c.work_dir, "logs and summaries (default: a fresh /tmp dir)");
@@ -169,12 +265,34 @@ int run_strategies(const std::vector<std::string>& args) {
   out["bench"] = "strategies";
   out["load_average_start"] = fsdp::bench::load_average();
   out["config"] = {{"model", c.model},           {"vocab_size", c.vocab_size}, {"devices", c.devices},
+                   {"loss_chunk_tokens", c.loss_chunk_tokens},
                    {"steps", c.steps},           {"timed_steps", c.steps - 1},
                    {"batch_size_per_rank", c.batch_size}, {"block_size", c.block_size},
                    {"wrap_policy", c.wrap_policy}, {"optimizer", "adam"},
                    {"dropout", 0},               {"data", "synthetic"}};
   json results = json::array();
   for (const auto& e : entries) results.push_back(run_one(c, e));
+  // The arithmetic peaks (Note [Arithmetic peak]): units as fsdp-train's --wrap-policy selects
+  // them (the model's unit types for "layers"), ZeRO-3's units as its engine selects them.
+  const UnitSizes fsdp_units = unit_sizes(
+      c, fsdp::parse_wrap_policy(c.wrap_policy, fsdp::demos::unit_types(c.model)));
+  const UnitSizes zero3_units = unit_sizes(
+      c, fsdp::AutoWrapPolicy::of_predicate([](const torch::nn::Module&, int64_t n) { return n > 0; }));
+  for (auto& r : results) {
+    if (!r.contains("peak_alloc_mb")) continue;
+    const std::string label = r["strategy"].get<std::string>();
+    if (label != "DDP" && label != "FULL_SHARD" && label != "SHARD_GRAD_OP" && label != "ZeRO-3") {
+      continue;  // the arithmetic covers fp32 Adam without recomputation or replication groups
+    }
+    const UnitSizes& u = label == "ZeRO-3" ? zero3_units : fsdp_units;
+    const double act_mb = r.contains("peak_breakdown_mb")
+                              ? r["peak_breakdown_mb"].value("activations", 0.0)
+                              : 0.0;
+    const double mb = arithmetic_peak(label, u, c.devices, act_mb * 1048576.0) / 1048576.0;
+    r["arithmetic_peak_mb"] = mb;
+    r["peak_ratio_to_arithmetic"] = r["peak_alloc_mb"].get<double>() / mb;
+    r["arithmetic_units"] = {{"params", u.params}, {"root", u.root}, {"largest_unit", u.largest}};
+  }
   auto ddp_it = std::find_if(results.begin(), results.end(),
                              [](const json& r) { return r["strategy"] == "DDP"; });
   const bool have_ddp = ddp_it != results.end() && ddp_it->contains("it_per_s");
@@ -197,11 +315,12 @@ int run_strategies(const std::vector<std::string>& args) {
   for (const auto& r : results) t << " " << r["strategy"].get<std::string>() << " |";
   t << "\n|---|";
   for (size_t i = 0; i < results.size(); ++i) t << "---|";
-  auto row = [&](const std::string& name, const std::string& key, const std::string& ratio, int prec) {
+  auto row = [&](const std::string& name, const std::string& key, const std::string& ratio, int prec,
+                 const char* missing = "error") {
     t << "\n| " << name << " |";
     for (const auto& r : results) {
       if (!r.contains(key)) {
-        t << " error |";
+        t << " " << (r.contains("error") ? "error" : missing) << " |";
         continue;
       }
       t << " " << fsdp::bench::fixed(r[key].get<double>(), prec);
@@ -210,9 +329,13 @@ int run_strategies(const std::vector<std::string>& args) {
     }
   };
   row("Peak tensor memory per rank (MB)", "peak_alloc_mb", "peak_alloc_ratio_to_ddp", 1);
+  row("Arithmetic peak (MB) (measured / arithmetic)", "arithmetic_peak_mb",
+      "peak_ratio_to_arithmetic", 1, "-");
   row("Peak RSS per rank (MB)", "peak_rss_mb", "peak_rss_ratio_to_ddp", 1);
   row("Iterations per second", "it_per_s", "it_per_s_ratio_to_ddp", 3);
-  t << "\n\n(ratios to DDP measured in the same run)\n";
+  t << "\n\n(ratios to DDP measured in the same run; the arithmetic peak is 16 B x params / "
+       "world + the root unit and the largest unit unsharded with their gradients + the "
+       "activations at the peak, see bench/strategies.cpp)\n";
   std::cerr << t.str();
   for (const auto& r : results) {
     if (r.contains("error")) return 1;

@@ -37,6 +37,9 @@ struct TinyLM : fsdp::LightningModule {
   // apart by ~lr per step. eps=1e-3 keeps real gradients (>= 1e-3) Adam-like and noise inert.
   double eps = 1e-3;
   bool freeze_embedding = false;
+  // true: the model's loss() (its Vocabulary head computes the loss in chunks, see
+  // fsdp/linear_cross_entropy.h); false: nll_loss of its log-probabilities (whole logits).
+  bool vocab_loss = false;
   // Called inside configure_model after the model exists (e.g. fsdp::wrap calls).
   std::function<void(TinyLM&)> after_build;
   std::shared_ptr<fsdp::nn::Module> model;
@@ -55,6 +58,7 @@ struct TinyLM : fsdp::LightningModule {
     if (after_build) after_build(*this);
   }
   at::Tensor training_step(const fsdp::Batch& batch, int64_t) override {
+    if (vocab_loss) return fsdp::demos::language_model_loss(*model, batch.input, batch.target);
     at::Tensor out = (*model)(batch.input, batch.target);
     return at::nll_loss(out, batch.target.reshape(-1));
   }

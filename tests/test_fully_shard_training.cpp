@@ -201,6 +201,61 @@ TEST(FullyShardTraining, SizeBasedWrapAndRootOnlyWorld2) {
   });
 }
 
+// --- the vocabulary as units, the loss in chunks ----------------------------------------------
+
+// The embedding and the head are units of their own (the tied gpt2-tiny wte one unit called
+// twice, as is transformer-tiny's embedding), trained with the chunked loss, against the
+// single-process reference on the plain path (whole logits, nll_loss).
+void vocab_units_parity(int world_size, const std::string& backend) {
+  fsdp::testing::run_ranks(world_size, backend, [&](fsdp::ProcessGroup&) {
+    for (const std::string model : {"transformer-tiny", "gpt2-tiny"}) {
+      for (auto ss : {fsdp::ShardingStrategy::kFullShard, fsdp::ShardingStrategy::kShardGradOp}) {
+        SCOPED_TRACE(model + " " + fsdp::to_string(ss));
+        LoopConfig cfg;
+        cfg.steps = 6;
+        TinyLM ref;
+        ref.model_name = model;
+        auto want = fsdp::testing::train_reference(ref, cfg);
+
+        TinyLM lm;
+        lm.model_name = model;
+        lm.vocab_loss = true;  // kVocab 64 > width 32: two chunks per rank's tokens
+        fsdp::FSDPOptions o;
+        o.sharding_strategy = ss;
+        o.auto_wrap_policy = fsdp::AutoWrapPolicy::of_types(fsdp::demos::unit_types(model));
+        fsdp::FSDPStrategy strategy(o);
+        strategy.connect(fsdp::world_group(), {});
+        auto got = fsdp::testing::train_with(strategy, lm, cfg);
+        fsdp::testing::expect_losses_close(got, want, 1e-5);
+        fsdp::testing::expect_params_close(strategy.gather_full_params(), ref, 1e-5);
+
+        std::vector<std::string> units;
+        for (auto& u : fsdp::detail::state_of(strategy).units()) units.push_back(u->name());
+        auto has = [&](const std::string& n) {
+          return std::find(units.begin(), units.end(), n) != units.end();
+        };
+        if (model == "gpt2-tiny") {
+          EXPECT_TRUE(has("model.wte"));
+        } else {
+          EXPECT_TRUE(has("model.embedding"));
+          EXPECT_TRUE(has("model.decoder"));
+        }
+        // The root unit keeps only what no unit took (norms, position table): no parameter of
+        // the vocabulary.
+        for (auto& p : fsdp::detail::state_of(strategy).root_unit().params()) {
+          for (const char* vocab : {"model.embedding.", "model.decoder.", "model.wte.", "model.lm_head."}) {
+            EXPECT_NE(p->fqn().rfind(vocab, 0), 0u) << p->fqn() << " is in the root unit";
+          }
+        }
+      }
+    }
+  });
+}
+
+TEST(FullyShardTraining, VocabUnitsChunkedLossParityGlooWorld2) { vocab_units_parity(2, "gloo"); }
+TEST(FullyShardTraining, VocabUnitsChunkedLossParityGlooWorld3) { vocab_units_parity(3, "gloo"); }
+TEST(FullyShardTraining, VocabUnitsChunkedLossParityMpiWorld3) { vocab_units_parity(3, "mpi"); }
+
 // --- a unit called twice in one step ---------------------------------------------------------
 
 namespace {

@@ -24,6 +24,10 @@ nn::ModuleTypes ModelSpec::layer_types() const {
   return demos::layer_types(name == "custom" ? "transformer-tiny" : name);
 }
 
+nn::ModuleTypes ModelSpec::unit_types() const {
+  return demos::unit_types(name == "custom" ? "transformer-tiny" : name);
+}
+
 int64_t ModelSpec::model_vocab_size() const {
   if (name == "custom") return vocab_size;
   return demos::is_transformer_model(name) ? demos::transformer_preset(name, vocab_size).vocab_size
@@ -46,6 +50,7 @@ LanguageModel::LanguageModel(ModelSpec spec, OptimizerSpec optimizer)
 void LanguageModel::configure_model() {
   if (model_) return;  // idempotent, as Lightning asks
   model_ = register_module("model", build_model(spec_));
+  demos::set_vocab_loss_policy(*model_, spec_.loss);
   if (spec_.activation_checkpointing) {
     // A module transform, so it works under every strategy (under FSDP the model's own
     // choice is respected: FSDPOptions::activation_checkpointing_policy stays empty here).
@@ -66,8 +71,7 @@ at::Tensor LanguageModel::test_step(const Batch& batch, int64_t) {
 }
 
 at::Tensor LanguageModel::logged_loss(const Batch& batch, const std::string& name, bool prog_bar) {
-  at::Tensor logp = (*model_)(batch.input, batch.target);  // (B*T, vocab)
-  at::Tensor loss = at::nll_loss(logp, batch.target.reshape(-1));
+  at::Tensor loss = demos::language_model_loss(*model_, batch.input, batch.target);
   // sync_dist: the global mean, carried by the Trainer's one per-step all-reduce.
   LogOptions o;
   o.prog_bar = prog_bar;

@@ -18,9 +18,12 @@ struct ModelSpec {
   int64_t vocab_size = 0;
   double dropout = 0;
   bool activation_checkpointing = false;   // checkpoint the model's layer types
+  VocabLossPolicy loss;                    // --loss-chunk-tokens: the head's chunked loss
 
-  // The module types FSDP wraps and activation checkpointing recomputes (--wrap-policy layers).
+  // The module types activation checkpointing recomputes.
   nn::ModuleTypes layer_types() const;
+  // The module types FSDP wraps (--wrap-policy layers): the layers and the vocabulary units.
+  nn::ModuleTypes unit_types() const;
   // The vocabulary the model gets: a preset with a published vocabulary keeps it.
   int64_t model_vocab_size() const;
 };
@@ -36,8 +39,10 @@ struct OptimizerSpec {
   double adam_eps = 1e-8;
 };
 
-// The reference's LanguageModel: the demo model built in configure_model, nll_loss over its
-// log-probabilities, logged as train_loss / val_loss / test_loss (global means).
+// The reference's LanguageModel: the demo model built in configure_model, the mean
+// cross-entropy of the targets (the value of nll_loss over its log-probabilities, computed by
+// the model's head in chunks: fsdp::demos::language_model_loss), logged as train_loss /
+// val_loss / test_loss (global means).
 class LanguageModel : public LightningModule {
  public:
   LanguageModel(ModelSpec spec, OptimizerSpec optimizer);
@@ -53,7 +58,7 @@ class LanguageModel : public LightningModule {
   static constexpr const char* kValLoss = "val_loss";
 
  private:
-  // nll_loss of the batch, logged as `name` (the global mean over ranks).
+  // The batch's loss, logged as `name` (the global mean over ranks).
   at::Tensor logged_loss(const Batch& batch, const std::string& name, bool prog_bar);
 
   ModelSpec spec_;

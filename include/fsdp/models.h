@@ -23,6 +23,7 @@
 //     storage resize) rather than register a new tensor under the same name.
 #pragma once
 
+#include "fsdp/linear_cross_entropy.h"
 #include "fsdp/nn.h"
 
 #include <torch/nn/modules/embedding.h>
@@ -91,6 +92,51 @@ class MultiheadAttention : public fsdp::nn::Module {
 };
 
 // ---------------------------------------------------------------------------------------------
+// The vocabulary as its own FSDP unit (torchtitan's `tok_embeddings` and `output` units).
+//
+// Vocabulary holds a (vocab, dim) matrix `weight` and an optional (vocab) `bias`, registered
+// under those names (so a model's parameter names stay those of torch.nn.Embedding / Linear).
+// One module serves every use of the matrix, so a tied embedding and head are one unit whose
+// parameters are gathered for each call:
+//   forward({ids (...) int64})                     -> embeddings (..., dim)
+//   forward({x (..., dim) floating})               -> logits (..., vocab) = x W^T (+ b)
+//   forward({x (N, dim) floating, target (N)})     -> mean cross-entropy (fp32 scalar) by
+//                                                     fsdp::linear_cross_entropy(loss_policy)
+// The demo models register their embeddings and heads as Vocabulary, and unit_types() lists it
+// beside their layers, so FSDP shards the vocabulary matrices as units of their own: gathered
+// just before they are used, resharded after, their gradients reduce-scattered when ready.
+class Vocabulary : public fsdp::nn::Module {
+ public:
+  // Adopts `weight` (vocab, dim) and `bias` (vocab, or undefined) as its parameters.
+  explicit Vocabulary(at::Tensor weight, at::Tensor bias = {});
+  at::Tensor forward(const fsdp::nn::Inputs& inputs) override;
+
+  int64_t vocab_size() const { return weight.size(0); }
+  int64_t dim() const { return weight.size(1); }
+
+  at::Tensor weight;  // (vocab, dim)
+  at::Tensor bias;    // (vocab) or undefined
+  VocabLossPolicy loss_policy;  // how forward({x, target}) computes the loss
+};
+
+// A model whose last step is a vocabulary head. loss(input, target) is the mean cross-entropy
+// of target (B, T) under the head, the value of nll_loss(forward({input, target}),
+// target.reshape(-1)), computed by the head unit's forward({hidden, target}) without the
+// whole logits when its loss_policy chunks them.
+class VocabHeadModel {
+ public:
+  virtual ~VocabHeadModel() = default;
+  virtual at::Tensor loss(const at::Tensor& input, const at::Tensor& target) = 0;
+  virtual Vocabulary& head() = 0;
+};
+
+// model.loss(input, target) for a VocabHeadModel; otherwise nll_loss of its log-probabilities.
+at::Tensor language_model_loss(fsdp::nn::Module& model, const at::Tensor& input,
+                               const at::Tensor& target);
+// Sets the loss policy of every Vocabulary in `model` (e.g. {kWholeLogits} for the plain path).
+void set_vocab_loss_policy(torch::nn::Module& model, const VocabLossPolicy& policy);
+
+// ---------------------------------------------------------------------------------------------
 // Lightning demo Transformer (lightning.pytorch.demos.Transformer).
 
 struct TransformerOptions {
@@ -150,20 +196,25 @@ class DecoderLayer : public fsdp::nn::Module {
 //     random streams differ from PyTorch's.
 // Like the demo, the decoder reads `target` (already shifted w.r.t. input) under a causal mask
 // that includes the current position; the demo's task is therefore easy, not a language model.
-class Transformer : public fsdp::nn::Module {
+class Transformer : public fsdp::nn::Module, public VocabHeadModel {
  public:
   explicit Transformer(const TransformerOptions& options);
   at::Tensor forward(const fsdp::nn::Inputs& inputs) override;
+  at::Tensor loss(const at::Tensor& input, const at::Tensor& target) override;
+  Vocabulary& head() override { return *decoder; }
 
   const TransformerOptions& options() const { return options_; }
 
-  torch::nn::Embedding embedding{nullptr};
+  std::shared_ptr<Vocabulary> embedding;  // (vocab, ninp), called for input and target
   std::vector<std::shared_ptr<EncoderLayer>> encoder_layers;
   std::vector<std::shared_ptr<DecoderLayer>> decoder_layers;
   torch::nn::LayerNorm encoder_norm{nullptr}, decoder_norm{nullptr};
-  torch::nn::Linear decoder{nullptr};  // ninp -> vocab
+  std::shared_ptr<Vocabulary> decoder;  // ninp -> vocab, with bias
 
  private:
+  // The decoder's output after decoder_norm: (B, T, E).
+  at::Tensor hidden_states(const fsdp::nn::Inputs& inputs);
+
   // (T, E) sinusoidal encoding for the first T positions, in x's dtype and device (cached; not a
   // parameter or buffer, as in the demo, so it is in no state dict and FSDP never shards it).
   const at::Tensor& positional_encoding(int64_t t, const at::Tensor& like);
@@ -212,19 +263,26 @@ class GPTBlock : public fsdp::nn::Module {
 // wte by default), log_softmax. Init as GPT-2: N(0, 0.02) weights, zero biases, residual
 // projections N(0, 0.02/sqrt(2*n_layer)).
 // forward({input (B, T), target ignored}) -> log-probs (B*T, vocab); T <= block_size.
-class GPT : public fsdp::nn::Module {
+class GPT : public fsdp::nn::Module, public VocabHeadModel {
  public:
   explicit GPT(const GPTOptions& options);
   at::Tensor forward(const fsdp::nn::Inputs& inputs) override;
+  at::Tensor loss(const at::Tensor& input, const at::Tensor& target) override;
+  Vocabulary& head() override { return options_.tie_embeddings ? *wte : *lm_head; }
 
   const GPTOptions& options() const { return options_; }
 
-  torch::nn::Embedding wte{nullptr}, wpe{nullptr};
+  // wte (vocab, n_embd) embeds the tokens and, tied, is the head too: called twice per forward.
+  std::shared_ptr<Vocabulary> wte;
+  torch::nn::Embedding wpe{nullptr};
   std::vector<std::shared_ptr<GPTBlock>> blocks;
   torch::nn::LayerNorm ln_f{nullptr};
-  torch::nn::Linear lm_head{nullptr};  // only when !tie_embeddings
+  std::shared_ptr<Vocabulary> lm_head;  // only when !tie_embeddings
 
  private:
+  // ln_f's output: (B, T, C).
+  at::Tensor hidden_states(const at::Tensor& idx);
+
   GPTOptions options_;
 };
 
@@ -256,8 +314,11 @@ std::shared_ptr<fsdp::nn::Module> make_model(const std::string& name, int64_t vo
                                              double dropout = 0.0);
 // Parameter count of make_model(name, vocab_size), without constructing it.
 int64_t model_parameter_count(const std::string& name, int64_t vocab_size = 0);
-// The block types of the model (FSDP units for `--wrap-policy layers`, activation
-// checkpointing): {EncoderLayer, DecoderLayer} for transformer-*, {GPTBlock} for gpt2-*.
+// The block types of the model (activation checkpointing): {EncoderLayer, DecoderLayer} for
+// transformer-*, {GPTBlock} for gpt2-*.
 fsdp::nn::ModuleTypes layer_types(const std::string& name);
+// The FSDP units of `--wrap-policy layers`: the layer types and Vocabulary (the embedding and
+// the head are units of their own).
+fsdp::nn::ModuleTypes unit_types(const std::string& name);
 
 }  // namespace fsdp::demos

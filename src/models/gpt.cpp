@@ -59,10 +59,14 @@ GPT::GPT(const GPTOptions& o) : options_(o) {
               " (all positive, n_embd divisible by n_head)");
   TORCH_CHECK(o.dropout >= 0.0 && o.dropout < 1.0, "[GPT] dropout must be in [0, 1), got ",
               o.dropout);
-  wte = register_module("wte", torch::nn::Embedding(o.vocab_size, o.n_embd));
-  wpe = register_module("wpe", torch::nn::Embedding(o.block_size, o.n_embd));
-  torch::nn::init::normal_(wte->weight, 0.0, kInitStd);
-  torch::nn::init::normal_(wpe->weight, 0.0, kInitStd);
+  // The generator's draws in the order of the torch.nn modules wte used to be: both tables'
+  // default init, then GPT-2's. wte is then registered (and, under deferred init, sharded) first.
+  at::Tensor wte_weight = torch::nn::Embedding(o.vocab_size, o.n_embd)->weight.detach();
+  torch::nn::Embedding wpe_table(o.block_size, o.n_embd);
+  torch::nn::init::normal_(wte_weight, 0.0, kInitStd);
+  torch::nn::init::normal_(wpe_table->weight, 0.0, kInitStd);
+  wte = register_module("wte", fsdp::nn::built(std::make_shared<Vocabulary>(wte_weight)));
+  wpe = register_module("wpe", wpe_table);
   auto h = register_module("h", torch::nn::ModuleList());
   for (int64_t i = 0; i < o.n_layer; ++i) {
     // built(): the block is complete; FSDP may shard it now (deferred init, fsdp/init.h).
@@ -72,29 +76,37 @@ GPT::GPT(const GPTOptions& o) : options_(o) {
   }
   ln_f = register_module("ln_f", layer_norm(o.n_embd));
   if (!o.tie_embeddings) {
-    lm_head = register_module(
-        "lm_head", torch::nn::Linear(torch::nn::LinearOptions(o.n_embd, o.vocab_size).bias(false)));
-    torch::nn::init::normal_(lm_head->weight, 0.0, kInitStd);
+    at::Tensor w =
+        torch::nn::Linear(torch::nn::LinearOptions(o.n_embd, o.vocab_size).bias(false))->weight.detach();
+    torch::nn::init::normal_(w, 0.0, kInitStd);
+    lm_head = register_module("lm_head", fsdp::nn::built(std::make_shared<Vocabulary>(w)));
   }
 }
 
-at::Tensor GPT::forward(const fsdp::nn::Inputs& inputs) {
-  const at::Tensor idx = detail::arg(inputs, 0);  // (B, T) token ids; inputs[1] is ignored
+at::Tensor GPT::hidden_states(const at::Tensor& idx) {
   TORCH_CHECK(idx.defined() && idx.dim() == 2, "[GPT] input must be (batch, seq) token ids, got ",
               idx.defined() ? idx.sizes() : at::IntArrayRef{});
   const int64_t T = idx.size(1);
   TORCH_CHECK(T <= options_.block_size, "[GPT] sequence length ", T, " exceeds block_size ",
               options_.block_size, "; use a shorter block or a model with a larger block_size");
   at::Tensor pos = at::arange(T, idx.options());       // (T)
-  at::Tensor x = wte(idx) + wpe(pos);                  // (B, T, C)
+  at::Tensor x = (*wte)(idx) + wpe(pos);               // (B, T, C)
   x = detail::dropout(x, options_.dropout, is_training());
   const at::Tensor mask = causal_mask(T, x.options());  // (T, T)
   for (auto& block : blocks) x = (*block)(x, mask);
-  x = ln_f(x);
-  // Tied head: logits = x wte^T, reading the one registered tensor wte.weight.
-  at::Tensor logits = options_.tie_embeddings ? at::linear(x, wte->weight) : lm_head(x);  // (B, T, V)
-  if (logits.element_size() < 4) logits = logits.to(at::kFloat);  // bf16: log-softmax in fp32
+  return ln_f(x);
+}
+
+at::Tensor GPT::forward(const fsdp::nn::Inputs& inputs) {
+  // inputs[1] (the target) is ignored. Tied head: logits = x wte^T, a second call of the wte
+  // unit, which reads the one registered tensor wte.weight.
+  at::Tensor logits = head()(hidden_states(detail::arg(inputs, 0)));  // (B, T, V)
+  if (logits.element_size() < 4) logits = logits.to(at::kFloat);    // bf16: log-softmax in fp32
   return at::log_softmax(logits, -1).reshape({-1, options_.vocab_size});  // (B*T, V)
+}
+
+at::Tensor GPT::loss(const at::Tensor& input, const at::Tensor& target) {
+  return head()(hidden_states(input), target);
 }
 
 int64_t parameter_count(const GPTOptions& o) {

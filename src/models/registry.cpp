@@ -101,4 +101,10 @@ fsdp::nn::ModuleTypes layer_types(const std::string& name) {
   return fsdp::nn::module_types<GPTBlock>();
 }
 
+fsdp::nn::ModuleTypes unit_types(const std::string& name) {
+  fsdp::nn::ModuleTypes types = layer_types(name);
+  types.insert(std::type_index(typeid(Vocabulary)));
+  return types;
+}
+
 }  // namespace fsdp::demos

@@ -94,7 +94,11 @@ Transformer::Transformer(const TransformerOptions& options) : options_(options) 
   const auto& o = options;
   // Registration (and so init) order: embedding, encoder layers, encoder norm, decoder layers,
   // decoder norm, decoder. Module paths mirror the Python demo's (see models.h).
-  embedding = register_module("embedding", torch::nn::Embedding(o.vocab_size, o.ninp));
+  // The vocabulary matrices are Vocabulary units, initialized as torch.nn.Embedding / Linear
+  // (the same draws from the generator as before they were units).
+  embedding = register_module(
+      "embedding", fsdp::nn::built(std::make_shared<Vocabulary>(
+                       torch::nn::Embedding(o.vocab_size, o.ninp)->weight.detach())));
   auto transformer = register_module("transformer", std::make_shared<torch::nn::Module>());
   auto encoder = transformer->register_module("encoder", std::make_shared<torch::nn::Module>());
   auto encoder_list = encoder->register_module("layers", torch::nn::ModuleList());
@@ -114,7 +118,9 @@ Transformer::Transformer(const TransformerOptions& options) : options_(options) 
     decoder_list->push_back(decoder_layers.back());
   }
   decoder_norm = decoder_stack->register_module("norm", layer_norm(o.ninp));
-  decoder = register_module("decoder", torch::nn::Linear(o.ninp, o.vocab_size));
+  torch::nn::Linear head(o.ninp, o.vocab_size);
+  decoder = register_module("decoder", fsdp::nn::built(std::make_shared<Vocabulary>(
+                                           head->weight.detach(), head->bias.detach())));
 }
 
 const at::Tensor& Transformer::positional_encoding(int64_t t, const at::Tensor& like) {
@@ -136,7 +142,7 @@ const at::Tensor& Transformer::positional_encoding(int64_t t, const at::Tensor& 
   return pe_cache_;
 }
 
-at::Tensor Transformer::forward(const fsdp::nn::Inputs& inputs) {
+at::Tensor Transformer::hidden_states(const fsdp::nn::Inputs& inputs) {
   const at::Tensor src = detail::arg(inputs, 0);  // (B, S) token ids
   const at::Tensor tgt = detail::arg(inputs, 1);  // (B, T) token ids, already shifted
   TORCH_CHECK(src.defined() && tgt.defined(),
@@ -148,7 +154,7 @@ at::Tensor Transformer::forward(const fsdp::nn::Inputs& inputs) {
   const bool train = is_training();
   const double scale = std::sqrt(static_cast<double>(options_.ninp));
   auto embed = [&](const at::Tensor& ids) {
-    at::Tensor e = embedding(ids) * scale;  // (B, L, E)
+    at::Tensor e = (*embedding)(ids) * scale;  // (B, L, E)
     e = e + positional_encoding(ids.size(1), e).narrow(0, 0, ids.size(1));
     return detail::dropout(e, options_.dropout, train);
   };
@@ -160,11 +166,17 @@ at::Tensor Transformer::forward(const fsdp::nn::Inputs& inputs) {
   at::Tensor out = embed(tgt);                                  // (B, T, E)
   const at::Tensor mask = causal_mask(tgt.size(1), out.options());  // (T, T)
   for (auto& layer : decoder_layers) out = (*layer)(out, memory, mask);
-  out = decoder_norm(out);
+  return decoder_norm(out);
+}
 
-  out = decoder(out);                                           // (B, T, V)
+at::Tensor Transformer::forward(const fsdp::nn::Inputs& inputs) {
+  at::Tensor out = (*decoder)(hidden_states(inputs));    // (B, T, V)
   if (out.element_size() < 4) out = out.to(at::kFloat);  // bf16 logits: log-softmax in fp32
   return at::log_softmax(out, -1).reshape({-1, options_.vocab_size});  // (B*T, V)
+}
+
+at::Tensor Transformer::loss(const at::Tensor& input, const at::Tensor& target) {
+  return (*decoder)(hidden_states({input, target}), target);
 }
 
 int64_t parameter_count(const TransformerOptions& o) {
