@@ -21,6 +21,7 @@
 #include "fsdp/fsdp_strategy.h"
 #include "fsdp/init.h"
 #include "fsdp/launcher.h"
+#include "fsdp/linear_cross_entropy.h"
 #include "fsdp/lightning.h"
 #include "fsdp/logger.h"
 #include "fsdp/memory.h"
