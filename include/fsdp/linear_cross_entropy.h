@@ -1,8 +1,7 @@
 // The loss of a vocabulary head without its whole logits: cross-entropy(x W^T + b, target) over
 // chunks of tokens. Each chunk's logits are computed, reduced to the chunk's share of the loss
-// and, when a gradient is wanted, to the chunk's share of the gradients, then dropped (Liger's
-// fused linear-cross-entropy idea), so the (tokens x vocab) logits, their log-softmax and their
-// gradient never exist whole; backward only scales the gradients forward formed.
+// and dropped; backward recomputes them chunk by chunk (Liger's fused linear-cross-entropy
+// idea), so the (tokens x vocab) logits, their log-softmax and their gradient never exist whole.
 //
 //   at::Tensor h = trunk(input).reshape({-1, E});                 // (N, E)
 //   at::Tensor loss = fsdp::linear_cross_entropy(h, W, b, target.reshape(-1));
@@ -27,7 +26,7 @@ struct VocabLossPolicy {
 };
 
 // Fewest tokens per chunk under kAuto: smaller chunks make the head's matmuls bound by reading
-// the whole weight once per chunk (Note [Chunked linear cross-entropy]).
+// the whole weight once per chunk, three times over (Note [Chunked linear cross-entropy]).
 constexpr int64_t kMinChunkTokens = 64;
 
 // The chunk length `policy` gives for `tokens` rows of width `hidden` into `vocab` logits;

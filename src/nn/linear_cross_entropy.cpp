@@ -1,8 +1,7 @@
 // Chunked linear + cross-entropy; see fsdp/linear_cross_entropy.h.
 #include "fsdp/linear_cross_entropy.h"
 
-#include <ATen/core/grad_mode.h>
-#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <ATen/autocast_mode.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -16,106 +15,111 @@ namespace {
 // For N tokens, width E and vocabulary V the plain path holds, at its peak, the logits (N x V),
 // their log-softmax (saved for backward) and in backward their gradient: 2-3 x 4 N V bytes,
 // more than the whole trunk's activations at a real vocabulary (transformer-small, batch 4 x 35,
-// V 33,278: 18.6 MB each). Here forward loops over chunks of c tokens: the chunk's logits
-// (c x V) in fp32, their logsumexp, the target's logit and the chunk's summed loss; then, when a
-// gradient is wanted, the same buffer becomes softmax - onehot(target) in place, scaled by
-// 1 / count, and is reduced at once to grad_hidden = G W, grad_weight += G^T h and
-// grad_bias += sum G (Liger's fused linear-cross-entropy). One (c x V) buffer is alive at a time
-// and the head's matmul runs three times, as on the plain path. Backward only scales the stored
-// gradients by the loss's incoming gradient (the loss is a scalar, so that is exact).
-// Ignored targets contribute zero loss and zero gradient and are not counted in the mean.
+// V 33,278: 18.6 MB each). Here forward loops over chunks of c tokens: logits (c x V) in fp32,
+// logsumexp, the target's logit, the chunk's summed loss; the chunk's logits are dropped before
+// the next. Only hidden, weight, bias and target are saved. Backward recomputes each chunk's
+// logits, turns them into softmax - onehot(target) in place, scales by grad / count, and
+// accumulates grad_hidden = G W, grad_weight += G^T h, grad_bias += sum G: one (c x V) buffer
+// alive at a time. The price is the head's matmul once more in backward (3 instead of 2).
+// Why not form the gradients in forward, as Liger does (no recomputation): the head's weight
+// gradient (vocab x width, fp32) would then live from the end of forward into backward, beside
+// the unsharded head weight; on transformer-small at its full vocabulary under FULL_SHARD that
+// raised the peak by exactly that gradient, 65 MB of 692 (docs/benchmarks/vocab_memory_*).
 // Why chunks of at least kMinChunkTokens: every chunk reads the whole weight three times (its
-// logits, grad_hidden, grad_weight). With a handful of tokens per chunk those matmuls are bound
-// by that traffic, not by arithmetic: transformer-small's 140 tokens in chunks of 3 made the
-// default fsdp-train step 2.9 times slower than whole logits on a 2-core x86 box; from a few
-// dozen rows up the
-// chunked loss was as fast as the plain one (measured: docs/benchmarks/vocab_memory_*).
-// Under FSDP the weight is the head unit's unsharded parameter; nothing here outlives forward
-// but the gradients (the size of the parameters they belong to), which backward hands to the
-// unit's gradient hooks as any layer's (src/shard/fsdp_state.cpp). Activation checkpointing of
-// the head recomputes forward, gradients included, and keeps the second copy.
+// logits, and in backward its logits again, grad_hidden, grad_weight). With a handful of tokens
+// per chunk those matmuls are bound by that traffic, not by arithmetic: transformer-small's 140
+// tokens per rank in chunks of 3 made fsdp-train's default step 2.9 times slower.
+// Ignored targets contribute zero loss and zero gradient and are not counted in the mean.
+// Under FSDP the weight is the head unit's unsharded parameter: saved as a variable, its storage
+// is freed after forward and refilled by the unit's pre-backward before this backward runs, as
+// for any layer (src/shard/fsdp_state.cpp).
 // fp32 for 16-bit tensors (logits, loss and gradients are formed in fp32), else their own dtype.
 at::ScalarType accumulate_dtype(const at::Tensor& t) {
   return t.element_size() < 4 ? at::kFloat : t.scalar_type();
 }
 
-struct ChunkedLoss {
-  at::Tensor loss;  // () mean over the counted targets
-  at::Tensor grad_hidden, grad_weight, grad_bias;  // d loss / d input, or undefined
-};
-
-// The loss over chunks of `chunk` tokens and, for the inputs flagged in want_*, its gradient.
-ChunkedLoss chunked_loss(const at::Tensor& hidden, const at::Tensor& weight,
-                         const at::Tensor& bias, const at::Tensor& target, int64_t ignore_index,
-                         int64_t chunk, bool want_hidden, bool want_weight, bool want_bias) {
-  const int64_t n = hidden.size(0);
-  const at::Tensor valid = target.ne(ignore_index);  // (N) bool
-  const int64_t count = valid.sum().item<int64_t>();
-  const at::ScalarType acc_dtype = accumulate_dtype(weight);
-  const auto acc = weight.options().dtype(acc_dtype);
-  ChunkedLoss out;
-  at::Tensor total = at::zeros({}, hidden.options().dtype(accumulate_dtype(hidden)));
-  if (want_hidden) out.grad_hidden = at::empty_like(hidden);
-  if (want_weight) out.grad_weight = at::zeros(weight.sizes(), acc);  // fp32 for 16-bit weights
-  if (want_bias) out.grad_bias = at::zeros(bias.sizes(), acc);
-  const bool want_grad = want_hidden || want_weight || want_bias;
-  for (int64_t begin = 0; begin < n; begin += chunk) {
-    const int64_t len = std::min(chunk, n - begin);
-    const at::Tensor h = hidden.narrow(0, begin, len);  // (c, E)
-    // (c, V): the logits (under CPU autocast in its dtype, as the plain path's), then in place
-    // their gradient.
-    at::Tensor g = at::linear(h, weight, bias).to(acc_dtype);
-    const at::Tensor t = target.narrow(0, begin, len);
-    const at::Tensor ok = valid.narrow(0, begin, len);
-    const at::Tensor safe = at::where(ok, t, at::zeros({}, t.options()));  // ignored -> row 0
-    const at::Tensor lse = at::logsumexp(g, {1}, /*keepdim=*/true);        // (c, 1)
-    const at::Tensor picked = g.gather(1, safe.unsqueeze(1));              // (c, 1)
-    total.add_(((lse - picked).squeeze(1) * ok).sum());
-    if (!want_grad) continue;
-    // The gradient in the parameters' own dtypes, as autograd forms it on the plain path.
-    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCPU);
-    const at::Tensor ok_col = ok.to(acc_dtype).unsqueeze(1);  // (c, 1)
-    g.sub_(lse).exp_();                        // softmax
-    g.scatter_add_(1, safe.unsqueeze(1), -ok_col);  // - onehot(target)
-    g.mul_(ok_col / static_cast<double>(count));    // ignored rows: 0
-    const at::Tensor gc = g.scalar_type() == weight.scalar_type() ? g : g.to(weight.scalar_type());
-    if (want_hidden) out.grad_hidden.narrow(0, begin, len).copy_(at::mm(gc, weight));
-    if (want_weight) out.grad_weight.addmm_(g.t(), h.to(acc_dtype));
-    if (want_bias) out.grad_bias.add_(g.sum(0));
-  }
-  if (want_weight) out.grad_weight = out.grad_weight.to(weight.scalar_type());
-  if (want_bias) out.grad_bias = out.grad_bias.to(bias.scalar_type());
-  out.loss = total / static_cast<double>(count);  // NaN for count 0, as at::cross_entropy_loss
-  return out;
-}
-
 struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropyFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& hidden,
                             const at::Tensor& weight, const at::Tensor& bias_or_empty,
-                            const at::Tensor& target, int64_t ignore_index, int64_t chunk,
-                            bool want_hidden, bool want_weight, bool want_bias) {
+                            const at::Tensor& target, int64_t ignore_index, int64_t chunk) {
     const at::Tensor bias = bias_or_empty.numel() > 0 ? bias_or_empty : at::Tensor();
-    ChunkedLoss r = chunked_loss(hidden, weight, bias, target, ignore_index, chunk, want_hidden,
-                                 want_weight, want_bias && bias.defined());
-    ctx->saved_data["grad_hidden"] = r.grad_hidden;
-    ctx->saved_data["grad_weight"] = r.grad_weight;
-    ctx->saved_data["grad_bias"] = r.grad_bias;
-    return r.loss;
+    const int64_t n = hidden.size(0);
+    const at::Tensor valid = target.ne(ignore_index);  // (N) bool
+    const int64_t count = valid.sum().item<int64_t>();
+    at::Tensor total = at::zeros({}, hidden.options().dtype(accumulate_dtype(hidden)));
+    for (int64_t begin = 0; begin < n; begin += chunk) {
+      const int64_t len = std::min(chunk, n - begin);
+      at::Tensor logits = at::linear(hidden.narrow(0, begin, len), weight, bias);  // (c, V)
+      logits = logits.to(accumulate_dtype(logits));
+      const at::Tensor t = target.narrow(0, begin, len);
+      const at::Tensor ok = valid.narrow(0, begin, len);
+      const at::Tensor safe = at::where(ok, t, at::zeros({}, t.options()));  // ignored -> row 0
+      at::Tensor picked = logits.gather(1, safe.unsqueeze(1)).squeeze(1);    // (c)
+      at::Tensor per_token = (at::logsumexp(logits, {1}) - picked) * ok;     // (c)
+      total.add_(per_token.sum());
+    }
+    ctx->save_for_backward({hidden, weight, bias_or_empty, target});
+    // Under CPU autocast forward's logits came from the autocast dtype: backward recomputes them
+    // in it too (the autograd engine does not necessarily run backward under autocast).
+    const bool autocast = at::autocast::is_autocast_enabled(at::kCPU);
+    ctx->saved_data["autocast_dtype"] = static_cast<int64_t>(
+        autocast ? at::autocast::get_autocast_dtype(at::kCPU) : at::ScalarType::Undefined);
+    ctx->saved_data["ignore_index"] = ignore_index;
+    ctx->saved_data["chunk"] = chunk;
+    ctx->saved_data["count"] = count;
+    return total / static_cast<double>(count);  // NaN for count 0, as at::cross_entropy_loss
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    const at::Tensor& scale = grads[0];  // () the loss's incoming gradient
-    auto scaled = [&](const char* key, bool wanted) -> at::Tensor {
-      const c10::IValue& v = ctx->saved_data[key];
-      if (!wanted || !v.isTensor() || !v.toTensor().defined()) return at::Tensor();
-      const at::Tensor g = v.toTensor();
-      return g * scale.to(g.scalar_type());
-    };
-    return {scaled("grad_hidden", ctx->needs_input_grad(0)),
-            scaled("grad_weight", ctx->needs_input_grad(1)),
-            scaled("grad_bias", ctx->needs_input_grad(2)),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& hidden = saved[0];  // (N, E)
+    const at::Tensor& weight = saved[1];  // (V, E)
+    const at::Tensor bias = saved[2].numel() > 0 ? saved[2] : at::Tensor();  // (V) or none
+    const at::Tensor& target = saved[3];  // (N)
+    const int64_t ignore_index = ctx->saved_data["ignore_index"].toInt();
+    const int64_t chunk = ctx->saved_data["chunk"].toInt();
+    const int64_t count = ctx->saved_data["count"].toInt();
+    const at::ScalarType acc_dtype = accumulate_dtype(weight);
+    const at::Tensor scale = grads[0].to(acc_dtype) / static_cast<double>(count);  // ()
+    const bool want_hidden = ctx->needs_input_grad(0);
+    const bool want_weight = ctx->needs_input_grad(1);
+    const bool want_bias = bias.defined() && ctx->needs_input_grad(2);
+
+    const int64_t n = hidden.size(0);
+    at::Tensor grad_hidden = want_hidden ? at::empty_like(hidden) : at::Tensor();
+    // fp32 accumulators for a lower-precision weight; the weight's own dtype otherwise.
+    const auto acc = weight.options().dtype(acc_dtype);
+    at::Tensor grad_weight = want_weight ? at::zeros(weight.sizes(), acc) : at::Tensor();
+    at::Tensor grad_bias = want_bias ? at::zeros(bias.sizes(), acc) : at::Tensor();
+    const at::Tensor valid = target.ne(ignore_index);
+    const auto autocast =
+        static_cast<at::ScalarType>(ctx->saved_data["autocast_dtype"].toInt());
+    const bool cast = autocast != at::ScalarType::Undefined;
+    const at::Tensor w_logits = cast ? weight.to(autocast) : weight;
+    const at::Tensor b_logits = cast && bias.defined() ? bias.to(autocast) : bias;
+    for (int64_t begin = 0; begin < n; begin += chunk) {
+      const int64_t len = std::min(chunk, n - begin);
+      const at::Tensor h = hidden.narrow(0, begin, len);  // (c, E)
+      // (c, V): the logits as forward computed them, then (in place) their gradient.
+      at::Tensor g = at::linear(cast ? h.to(autocast) : h, w_logits, b_logits);
+      g = g.to(acc_dtype);
+      const at::Tensor t = target.narrow(0, begin, len);
+      const at::Tensor ok = valid.narrow(0, begin, len).to(acc_dtype).unsqueeze(1);  // (c, 1)
+      const at::Tensor safe = at::where(ok.squeeze(1).to(at::kBool), t, at::zeros({}, t.options()));
+      g.sub_(at::logsumexp(g, {1}, /*keepdim=*/true)).exp_();  // softmax
+      g.scatter_add_(1, safe.unsqueeze(1), -ok);               // - onehot(target)
+      g.mul_(ok * scale);                                      // ignored rows: 0
+      const at::Tensor gc = g.scalar_type() == weight.scalar_type() ? g : g.to(weight.scalar_type());
+      if (want_hidden) grad_hidden.narrow(0, begin, len).copy_(at::mm(gc, weight));
+      if (want_weight) {
+        grad_weight.addmm_(g.t(), h.to(acc_dtype));
+      }
+      if (want_bias) grad_bias.add_(g.sum(0));
+    }
+    if (want_weight) grad_weight = grad_weight.to(weight.scalar_type());
+    if (want_bias) grad_bias = grad_bias.to(bias.scalar_type());
+    return {grad_hidden, grad_weight, grad_bias, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -159,19 +163,8 @@ at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weig
   }
   // An undefined tensor cannot pass through Function::apply: no bias travels as (0) elements.
   const at::Tensor bias_or_empty = bias.defined() ? bias : at::empty({0}, weight.options());
-  // Gradients are formed in forward only for the inputs autograd will ask about.
-  const bool grad = at::GradMode::is_enabled();
-  const bool want_hidden = grad && hidden.requires_grad();
-  const bool want_weight = grad && weight.requires_grad();
-  const bool want_bias = grad && bias.defined() && bias.requires_grad();
-  if (!want_hidden && !want_weight && !want_bias) {
-    return chunked_loss(hidden, weight, bias, target, policy.ignore_index, chunk, false, false,
-                        false)
-        .loss;
-  }
   return LinearCrossEntropyFunction::apply(hidden, weight, bias_or_empty, target,
-                                           policy.ignore_index, chunk, want_hidden, want_weight,
-                                           want_bias);
+                                           policy.ignore_index, chunk);
 }
 
 }  // namespace fsdp
