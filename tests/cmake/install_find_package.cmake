@@ -2,6 +2,7 @@
 # prefix, then configures, builds and runs examples/ as an outside project that only knows the prefix.
 #   -DFSDP_BUILD_DIR  the fsdp.cpp build tree      -DFSDP_SOURCE_DIR  its sources
 #   -DWORK_DIR        scratch directory             -DGENERATOR        CMake generator
+#   -DCXX_COMPILER    the compiler that built fsdp.cpp (optional; the outside project uses it)
 #   -DCCACHE          ccache program (optional)
 function(run)
   execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
@@ -44,8 +45,12 @@ set(launcher)
 if(CCACHE)
   set(launcher -DCMAKE_CXX_COMPILER_LAUNCHER=${CCACHE})
 endif()
+set(compiler)
+if(CXX_COMPILER)
+  set(compiler -DCMAKE_CXX_COMPILER=${CXX_COMPILER})
+endif()
 run(${CMAKE_COMMAND} -S ${FSDP_SOURCE_DIR}/examples -B ${WORK_DIR}/build -G ${GENERATOR}
-    -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH=${prefix} ${launcher})
+    -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH=${prefix} ${compiler} ${launcher})
 run(${CMAKE_COMMAND} --build ${WORK_DIR}/build -j 2)
 
 # And the program runs: one rank, two steps on the synthetic corpus.
