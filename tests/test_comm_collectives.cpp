@@ -116,7 +116,8 @@ void check_every_op(ProcessGroup& pg) {
 class CommCollectives : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
 
 TEST_P(CommCollectives, EveryOpEveryDtype) {
-  const auto& [backend, world] = GetParam();
+  const std::string backend = std::get<0>(GetParam());
+  const int world = std::get<1>(GetParam());
   fsdp::testing::run_ranks(world, backend, [&](ProcessGroup& pg) {
     EXPECT_EQ(pg.size(), world);
     EXPECT_EQ(pg.backend(), backend);

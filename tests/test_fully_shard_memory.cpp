@@ -113,8 +113,6 @@ Measured measure(fsdp::ShardingStrategy ss) {
 int64_t measure_activations(int rank) {
   TinyLM lm;
   lm.configure_model();
-  int64_t params = 0;
-  for (auto& p : lm.parameters()) params += p.numel() * 4;
   const int64_t before = fsdp::memory_stats().current_bytes;
   fsdp::reset_peak_memory_stats();
   {

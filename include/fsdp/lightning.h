@@ -50,7 +50,8 @@ struct LogOptions {
 
 struct OptimizerConfig {
   std::shared_ptr<torch::optim::Optimizer> optimizer;
-  std::shared_ptr<torch::optim::LRScheduler> scheduler;  // optional; stepped every optimizer step
+  // Optional; stepped every optimizer step.
+  std::shared_ptr<torch::optim::LRScheduler> scheduler = nullptr;
 };
 
 class LightningModule : public torch::nn::Module {

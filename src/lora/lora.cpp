@@ -304,7 +304,7 @@ void check_not_sharded(LoraLinear& l, const char* what) {
   const at::Tensor& member = l.lora_A->weight;
   const bool sharded = registered == nullptr ||
                        registered->unsafeGetTensorImpl() != member.unsafeGetTensorImpl() ||
-                       static_cast<int64_t>(member.storage().nbytes()) < member.nbytes();
+                       member.storage().nbytes() < member.nbytes();
   TORCH_CHECK(!sharded, "[", what, "] the model's parameters are sharded by FSDP (the adapter's "
               "registered lora_A weight is this rank's shard); this single-process version would "
               "read partial weights. HINT: call fsdp::", what, "(strategy, model), the FSDP version "

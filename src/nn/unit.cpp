@@ -63,7 +63,9 @@ void UnitBase::check_arity(size_t given, size_t arity) const {
 bool is_instance_of(const torch::nn::Module& m, const ModuleTypes& types) {
   if (types.count(std::type_index(typeid(m)))) return true;
   const auto* holder = dynamic_cast<const UnitBase*>(&m);
-  return holder != nullptr && types.count(std::type_index(typeid(*holder->wrapped()))) > 0;
+  if (holder == nullptr) return false;
+  const torch::nn::Module& inner = *holder->wrapped();
+  return types.count(std::type_index(typeid(inner))) > 0;
 }
 
 namespace {
