@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what fsdp.cpp needs, idempotently (both README commands run it):
 #  1. Debian packages: compilers and build tools, OpenMPI, Gloo, CLI11, nlohmann-json,
-#     GoogleTest/Benchmark, clang for the fuzz targets. Nothing is installed when all are present.
+#     GoogleTest/Benchmark, clang (the default compiler, and the fuzz targets). Nothing is
+#     installed when all are present.
 #  2. The project's Python virtual environment (.venv, or $FSDP_VENV) with the pinned packages of
 #     scripts/requirements*.txt: torch==2.13.0 (CPU), whose libtorch the C++ build links, and the
 #     peers that tests and benchmarks run beside fsdp.cpp. Nothing is installed when the
@@ -18,7 +19,7 @@ PACKAGES=(
   liburing-dev                  # the disk tier's asynchronous I/O (io_uring)
   zlib1g-dev                    # checkpoint checksums (crc32; src/ckpt/safetensors.h)
   libgtest-dev libgmock-dev libbenchmark-dev
-  clang libclang-rt-14-dev      # libFuzzer targets for the checkpoint readers (tests/fuzz)
+  clang libclang-rt-14-dev      # the compiler make picks (Makefile); libFuzzer targets (tests/fuzz)
   python3 python3-venv          # the project's virtual environment
 )
 
