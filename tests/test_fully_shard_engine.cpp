@@ -6,6 +6,7 @@
 #include "shard/fsdp_strategy_impl.h"
 #include "comm/local_groups.h"
 #include "shard/collectives.h"
+#include "unit_names.h"
 
 #include <ATen/record_function.h>
 #include <gtest/gtest.h>
@@ -152,15 +153,7 @@ TEST(FullyShardEngine, WrapPoliciesSelectUnits) {
   auto count_units = [](fsdp::AutoWrapPolicy policy, const std::string& model) {
     TinyLM lm;
     lm.model_name = model;
-    fsdp::FSDPOptions opts;
-    opts.auto_wrap_policy = std::move(policy);
-    fsdp::FSDPStrategy strategy(opts);
-    strategy.connect(nullptr, {});
-    fsdp::configure_model_with(strategy, lm);
-    strategy.setup_module(lm);
-    std::vector<std::string> names;
-    for (auto& u : fsdp::detail::state_of(strategy).units()) names.push_back(u->name());
-    return names;
+    return fsdp::testing::unit_names(lm, std::move(policy));
   };
   auto types = count_units(fsdp::AutoWrapPolicy::of_types(fsdp::demos::layer_types("transformer-tiny")),
                            "transformer-tiny");
