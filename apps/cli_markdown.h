@@ -35,7 +35,8 @@ inline std::string table_cell(const std::string& text) {
   return out;
 }
 
-// "`-h`, `--help`" from CLI11's "-h,--help"; a positional's name as it is.
+// "`-h`, `--help`" from CLI11's "-h,--help"; a positional's name as it is. A negated flag's name
+// comes without the value CLI11 appends to it ("--no-x{false}" is typed "--no-x").
 inline std::string markdown_names(const CLI::Option* o) {
   if (o->get_lnames().empty() && o->get_snames().empty()) return "`" + o->get_name(true) + "`";
   std::string names = o->get_name(false, true), out;
@@ -43,7 +44,9 @@ inline std::string markdown_names(const CLI::Option* o) {
   while (start <= names.size()) {
     size_t comma = names.find(',', start);
     if (comma == std::string::npos) comma = names.size();
-    if (comma > start) out += (out.empty() ? "`" : ", `") + names.substr(start, comma - start) + "`";
+    std::string name = names.substr(start, comma - start);
+    if (const size_t brace = name.find('{'); brace != std::string::npos) name.resize(brace);
+    if (!name.empty()) out += (out.empty() ? "`" : ", `") + name + "`";
     start = comma + 1;
   }
   return out;

@@ -598,8 +598,10 @@ int main(int argc, char** argv) {
   o_dir->excludes(o_preset);
   app.add_option("--tokenizer-dir", a.tokenizer_dir, "folder with tokenizer.json (default: --model-dir)")
       ->check(fsdp::cli::input_dir());
-  app.add_flag("--load-in-4bit,!--no-load-in-4bit", a.load_in_4bit, "NF4-quantize the base's linear layers (QLoRA)");
-  app.add_flag("--bnb-4bit-use-double-quant,!--no-double-quant", a.double_quant, "8-bit absmaxes (double quantization)");
+  app.add_flag("--load-in-4bit,!--no-load-in-4bit", a.load_in_4bit, "NF4-quantize the base's linear layers (QLoRA)")
+      ->default_str(a.load_in_4bit ? "on" : "off");
+  app.add_flag("--bnb-4bit-use-double-quant,!--no-double-quant", a.double_quant, "8-bit absmaxes (double quantization)")
+      ->default_str(a.double_quant ? "on" : "off");
   app.add_option("--bnb-4bit-compute-dtype", a.compute_dtype, "4-bit layers compute in: bfloat16 | float32")
       ->check(one_of(kDtypeNames));
   app.add_option("--base-dtype,--torch-dtype", a.base_dtype,
@@ -655,7 +657,8 @@ int main(int argc, char** argv) {
   app.add_flag("--fp16", a.fp16, "not offered: use --bf16 (fp16 mixed precision is not implemented for QLoRA)");
   app.add_flag("--average-tokens-across-devices,!--no-average-tokens-across-devices",
                a.average_tokens_across_devices,
-               "loss = summed token losses / target tokens of the whole step, all ranks (else a mean of per-rank means)");
+               "loss = summed token losses / target tokens of the whole step, all ranks (else a mean of per-rank means)")
+      ->default_str(a.average_tokens_across_devices ? "on" : "off");
   app.add_option("--per-device-train-batch-size", a.per_device_train_batch_size, "examples per rank per micro-batch")
       ->check(at_least(int64_t{1}));
   app.add_option("--gradient-accumulation-steps", a.gradient_accumulation_steps, "micro-batches per optimizer step")
@@ -683,7 +686,8 @@ int main(int argc, char** argv) {
   app.add_option("--save-total-limit", a.save_total_limit, "keep the N newest checkpoint-<step> adapters (-1: all)")
       ->check(at_least(int64_t{-1}));
   app.add_flag("--gradient-checkpointing,!--no-gradient-checkpointing", a.gradient_checkpointing,
-               "recompute each decoder layer in backward");
+               "recompute each decoder layer in backward")
+      ->default_str(a.gradient_checkpointing ? "on" : "off");
   app.add_option("--optim", a.optim, "paged_adamw_8bit | adamw_8bit = adamw_bnb_8bit (bitsandbytes-exact "
                  "8-bit AdamW; paged = same on CPU) | adamw_torch")
       ->check(one_of({"paged_adamw_8bit", "adamw_8bit", "adamw_bnb_8bit", "adamw_torch"}));

@@ -204,7 +204,7 @@ int run_strategies(const std::vector<std::string>& args) {
       ->capture_default_str();
   app.add_option("--loss-chunk-tokens", c.loss_chunk_tokens,
                  "the head's loss in chunks of N tokens (0: fsdp-train's rule, -1: whole logits)")
-      ->check(CLI::Range(int64_t{-1}, std::numeric_limits<int64_t>::max()))
+      ->check(fsdp::cli::at_least(int64_t{-1}))
       ->capture_default_str();
   app.add_option("--fsdp-train", c.fsdp_train, "path of fsdp-train (default: beside fsdp-bench)");
   app.add_option("--work-dir", c.work_dir, "logs and summaries (default: a fresh /tmp dir)");

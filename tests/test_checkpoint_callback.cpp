@@ -64,6 +64,16 @@ struct ScoreLM : fsdp::LightningModule {
   }
 };
 
+// Where the Trainer says it stands when on_fit_start runs (after a resume: the checkpoint's
+// position, as Lightning's trainer.current_epoch / global_step).
+struct FitStart : fsdp::Callback {
+  int64_t epoch = -1, step = -1;
+  void on_fit_start(fsdp::Trainer& t, fsdp::LightningModule&) override {
+    epoch = t.current_epoch();
+    step = t.global_step();
+  }
+};
+
 fsdp::TrainerOptions trainer_options(int world, const std::string& backend) {
   fsdp::TrainerOptions o;
   o.devices = world;
@@ -145,9 +155,13 @@ void top_k_body(const std::string& dir, const std::string& backend) {
   {
     // Resume from the best entry: the remaining 4 steps equal the straight run's, bitwise.
     fsdp::TrainerOptions r = trainer_options(2, backend);
+    auto start = std::make_shared<FitStart>();
+    r.callbacks = {start};
     fsdp::Trainer trainer(r);
     ScoreLM model;
     trainer.fit(model, data.train, cb->best_model_path());
+    EXPECT_EQ(start->step, 8);   // saved at the end of epoch 3
+    EXPECT_EQ(start->epoch, 4);  // the epoch it continues with
     EXPECT_EQ(trainer.global_step(), 12);
     const auto& got = trainer.results().losses;
     ASSERT_EQ(got.size(), 4u);

@@ -8,6 +8,7 @@
 #include "fsdp/unit.h"
 #include "shard/fsdp_strategy_impl.h"
 #include "testing.h"
+#include "unit_names.h"
 
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
@@ -90,15 +91,7 @@ std::vector<std::string> names_of(torch::nn::Module& m) {
 
 // Units of `lm` under `policy` (one rank, no process group), by name.
 std::vector<std::string> units_of(PlainNet& lm, fsdp::AutoWrapPolicy policy) {
-  fsdp::FSDPOptions opts;
-  opts.auto_wrap_policy = std::move(policy);
-  fsdp::FSDPStrategy strategy(opts);
-  strategy.connect(nullptr, {});
-  fsdp::configure_model_with(strategy, lm);
-  strategy.setup_module(lm);
-  std::vector<std::string> names;
-  for (auto& u : fsdp::detail::state_of(strategy).units()) names.push_back(u->name());
-  return names;
+  return fsdp::testing::unit_names(lm, std::move(policy));
 }
 
 // Collects the c10 warnings issued while it lives.

@@ -105,8 +105,11 @@ at::Tensor GPT::forward(const fsdp::nn::Inputs& inputs) {
   return at::log_softmax(logits, -1).reshape({-1, options_.vocab_size});  // (B*T, V)
 }
 
+// Between the model's own forward hooks, as Transformer::loss (transformer.cpp).
 at::Tensor GPT::loss(const at::Tensor& input, const at::Tensor& target) {
-  return head()(hidden_states(input), target);
+  return detail::call_with_hooks(*this, {input, target}, [this](const fsdp::nn::Inputs& in) {
+    return head()(hidden_states(in[0]), in[1]);
+  });
 }
 
 int64_t parameter_count(const GPTOptions& o) {

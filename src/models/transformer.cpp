@@ -175,8 +175,12 @@ at::Tensor Transformer::forward(const fsdp::nn::Inputs& inputs) {
   return at::log_softmax(out, -1).reshape({-1, options_.vocab_size});  // (B*T, V)
 }
 
+// Between the model's own forward hooks (detail::call_with_hooks): a strategy that made the
+// model a unit gathers its own parameters (the final norms) for the loss as for forward.
 at::Tensor Transformer::loss(const at::Tensor& input, const at::Tensor& target) {
-  return (*decoder)(hidden_states({input, target}), target);
+  return detail::call_with_hooks(*this, {input, target}, [this](const fsdp::nn::Inputs& in) {
+    return (*decoder)(hidden_states(in), in[1]);
+  });
 }
 
 int64_t parameter_count(const TransformerOptions& o) {

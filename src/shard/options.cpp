@@ -175,8 +175,11 @@ void check_options(const FSDPOptions& o) {
               "[FSDPStrategy] ignored_params needs deferred_init = false: deferred "
               "initialization shards units while configure_model builds them, before the "
               "ignored parameters exist. HINT: set FSDPOptions::deferred_init = false");
-  TORCH_CHECK(o.state_dict_type == "full", "[FSDPStrategy] state_dict_type='", o.state_dict_type,
-              "' is not supported yet; only 'full' is accepted for now");
+  TORCH_CHECK(o.state_dict_type == "full", "[FSDPStrategy] FSDPOptions::state_dict_type='",
+              o.state_dict_type, "' is not implemented (only 'full'): the checkpoint format is "
+              "the Trainer's. HINT: TrainerOptions::state_dict_type = \"sharded\" (fsdp-train "
+              "--state-dict-type sharded; Lightning's FSDPStrategy(state_dict_type=...)), see "
+              "docs/checkpoints.md");
   check_offload_policy(o.offload_policy, "[FSDPStrategy]");
   TORCH_CHECK(!o.offload_policy.params_on_disk() ||
                   o.sharding_strategy != ShardingStrategy::kNoShard,

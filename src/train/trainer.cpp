@@ -430,6 +430,7 @@ std::unique_ptr<Trainer::FitLoop> Trainer::setup_fit(LightningModule& module,
   reset_peak_memory_stats();
   reset_peak_rss();
   L.start_epoch = next_epoch_;
+  current_epoch_ = next_epoch_;  // on_fit_start sees the resumed epoch, as in Lightning
   L.start_batch = next_batch_;
   L.start_step = global_step_;  // > 0 when resumed
 
