@@ -30,11 +30,10 @@ ifneq ($(origin CXX),default)
     FSDP_COMPILERS += -DCMAKE_C_COMPILER="$(CC)"
   endif
 else ifeq ($(findstring CMAKE_CXX_COMPILER,$(CMAKE_ARGS)),)
-  FSDP_CLANGXX := $(shell command -v clang++ 2>/dev/null)
-  FSDP_CLANG := $(shell command -v clang 2>/dev/null)
-  ifneq ($(and $(FSDP_CLANGXX),$(FSDP_CLANG)),)
-    FSDP_COMPILERS := -DCMAKE_CXX_COMPILER="$(FSDP_CLANGXX)" -DCMAKE_C_COMPILER="$(FSDP_CLANG)"
-  endif
+  # Looked up by the shell when the configure recipe runs, after setup: on a fresh machine
+  # clang is installed by setup, so a lookup while make reads this file would find none.
+  FSDP_COMPILERS = $$(command -v clang++ >/dev/null && command -v clang >/dev/null && \
+    echo -DCMAKE_CXX_COMPILER="$$(command -v clang++)" -DCMAKE_C_COMPILER="$$(command -v clang)")
 endif
 
 $(BUILD_DIR)/build.ninja: | setup
