@@ -205,12 +205,27 @@ TEST(FullyShardTraining, SizeBasedWrapAndRootOnlyWorld2) {
 
 // The embedding and the head are units of their own (the tied gpt2-tiny wte one unit called
 // twice, as is transformer-tiny's embedding), trained with the chunked loss, against the
-// single-process reference on the plain path (whole logits, nll_loss).
+// single-process reference on the plain path (whole logits, nll_loss): computing on their
+// shards (the default, fsdp/sharded_compute.h) and gathered as any unit. kVocab 64 over 3 ranks
+// leaves the last rank 20 real rows of 22 (padding). One more run takes all logits through the
+// head (forward, the gathered-matrix path) instead of the loss.
 void vocab_units_parity(int world_size, const std::string& backend) {
   fsdp::testing::run_ranks(world_size, backend, [&](fsdp::ProcessGroup&) {
+    struct Run {
+      fsdp::ShardingStrategy ss;
+      bool on_shards;
+      bool vocab_loss;
+    };
+    const std::vector<Run> runs = {{fsdp::ShardingStrategy::kFullShard, true, true},
+                                   {fsdp::ShardingStrategy::kFullShard, false, true},
+                                   {fsdp::ShardingStrategy::kShardGradOp, true, true},
+                                   {fsdp::ShardingStrategy::kShardGradOp, false, true},
+                                   {fsdp::ShardingStrategy::kFullShard, true, false}};
     for (const std::string model : {"transformer-tiny", "gpt2-tiny"}) {
-      for (auto ss : {fsdp::ShardingStrategy::kFullShard, fsdp::ShardingStrategy::kShardGradOp}) {
-        SCOPED_TRACE(model + " " + fsdp::to_string(ss));
+      std::map<bool, int64_t> gathered_bytes;  // FULL_SHARD with the loss: on shards or not
+      for (const Run& run : runs) {
+        SCOPED_TRACE(model + " " + fsdp::to_string(run.ss) + (run.on_shards ? " on shards" : " gathered") +
+                     (run.vocab_loss ? "" : ", all logits"));
         LoopConfig cfg;
         cfg.steps = 6;
         TinyLM ref;
@@ -219,35 +234,49 @@ void vocab_units_parity(int world_size, const std::string& backend) {
 
         TinyLM lm;
         lm.model_name = model;
-        lm.vocab_loss = true;  // kVocab 64 > width 32: two chunks per rank's tokens
+        lm.vocab_loss = run.vocab_loss;  // kVocab 64 > width 32: two chunks per rank's tokens
+        lm.after_build = [&](TinyLM& m) {
+          fsdp::demos::set_vocab_compute_on_shards(*m.model, run.on_shards);
+        };
         fsdp::FSDPOptions o;
-        o.sharding_strategy = ss;
+        o.sharding_strategy = run.ss;
         o.auto_wrap_policy = fsdp::AutoWrapPolicy::of_types(fsdp::demos::unit_types(model));
         fsdp::FSDPStrategy strategy(o);
-        strategy.connect(fsdp::world_group(), {});
+        auto world = fsdp::world_group();
+        strategy.connect(world, {});
+        world->reset_counters();
         auto got = fsdp::testing::train_with(strategy, lm, cfg);
+        if (run.ss == fsdp::ShardingStrategy::kFullShard && run.vocab_loss) {
+          gathered_bytes[run.on_shards] = world->counters().all_gather_bytes;
+        }
         fsdp::testing::expect_losses_close(got, want, 1e-5);
         fsdp::testing::expect_params_close(strategy.gather_full_params(), ref, 1e-5);
 
-        std::vector<std::string> units;
-        for (auto& u : fsdp::detail::state_of(strategy).units()) units.push_back(u->name());
+        std::vector<std::string> units, on_shards;
+        auto& state = fsdp::detail::state_of(strategy);
+        for (auto& u : state.units()) {
+          units.push_back(u->name());
+          if (state.units_on_shards().count(u.get())) on_shards.push_back(u->name());
+        }
         auto has = [&](const std::string& n) {
           return std::find(units.begin(), units.end(), n) != units.end();
         };
-        if (model == "gpt2-tiny") {
-          EXPECT_TRUE(has("model.wte"));
-        } else {
-          EXPECT_TRUE(has("model.embedding"));
-          EXPECT_TRUE(has("model.decoder"));
-        }
+        std::vector<std::string> vocab_units = {"model.wte"};
+        if (model != "gpt2-tiny") vocab_units = {"model.embedding", "model.decoder"};
+        for (const auto& v : vocab_units) EXPECT_TRUE(has(v)) << v;
+        EXPECT_EQ(on_shards, run.on_shards ? vocab_units : std::vector<std::string>{});
         // The root unit keeps only what no unit took (norms, position table): no parameter of
         // the vocabulary.
-        for (auto& p : fsdp::detail::state_of(strategy).root_unit().params()) {
+        for (auto& p : state.root_unit().params()) {
           for (const char* vocab : {"model.embedding.", "model.decoder.", "model.wte.", "model.lm_head."}) {
             EXPECT_NE(p->fqn().rfind(vocab, 0), 0u) << p->fqn() << " is in the root unit";
           }
         }
       }
+      // On shards the vocabulary matrices are never all-gathered: only the hidden states, ids
+      // and the other units' parameters are (64 x 32 matrices, gathered twice a step, against
+      // 8 x 12 / world tokens of width 32 a step).
+      EXPECT_LT(gathered_bytes[true], gathered_bytes[false]) << model;
     }
   });
 }

@@ -29,6 +29,7 @@
 #include "fsdp/nn.h"
 #include "fsdp/offload.h"
 #include "fsdp/precision.h"
+#include "fsdp/sharded_compute.h"
 #include "fsdp/single_strategy.h"
 #include "fsdp/strategy.h"
 #include "fsdp/strategy_registry.h"

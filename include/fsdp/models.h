@@ -25,6 +25,7 @@
 
 #include "fsdp/linear_cross_entropy.h"
 #include "fsdp/nn.h"
+#include "fsdp/sharded_compute.h"
 
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
@@ -103,9 +104,12 @@ class MultiheadAttention : public fsdp::nn::Module {
 //   forward({x (N, dim) floating, target (N)})     -> mean cross-entropy (fp32 scalar) by
 //                                                     fsdp::linear_cross_entropy(loss_policy)
 // The demo models register their embeddings and heads as Vocabulary, and unit_types() lists it
-// beside their layers, so FSDP shards the vocabulary matrices as units of their own: gathered
-// just before they are used, resharded after, their gradients reduce-scattered when ready.
-class Vocabulary : public fsdp::nn::Module {
+// beside their layers, so FSDP shards the vocabulary matrices as units of their own. Such a
+// unit computes on its shards (fsdp/sharded_compute.h): the matrix is never gathered, the
+// tokens travel instead, and its gradient is formed sharded. With `compute_on_shards` false
+// (or where the strategy cannot: one rank, HYBRID_SHARD, offload) it is gathered just before
+// each use, resharded after, its gradient reduce-scattered when ready, as any unit.
+class Vocabulary : public fsdp::nn::Module, public fsdp::ShardedComputeModule {
  public:
   // Adopts `weight` (vocab, dim) and `bias` (vocab, or undefined) as its parameters.
   explicit Vocabulary(at::Tensor weight, at::Tensor bias = {});
@@ -117,6 +121,19 @@ class Vocabulary : public fsdp::nn::Module {
   at::Tensor weight;  // (vocab, dim)
   at::Tensor bias;    // (vocab) or undefined
   VocabLossPolicy loss_policy;  // how forward({x, target}) computes the loss
+  // Compute on the shards when a strategy shards this unit (read once, at the strategy's setup).
+  bool compute_on_shards = true;
+
+  bool computes_on_shards() const override { return compute_on_shards; }
+  void set_shard_context(std::shared_ptr<const ShardContext> context) override {
+    shards_ = std::move(context);
+  }
+  // The shards this module computes with (null: its own parameters).
+  const ShardContext* shard_context() const { return shards_.get(); }
+
+ private:
+  at::Tensor forward_on_shards(const at::Tensor& x, const at::Tensor& target);
+  std::shared_ptr<const ShardContext> shards_;
 };
 
 // A model whose last step is a vocabulary head. loss(input, target) is the mean cross-entropy
@@ -135,6 +152,8 @@ at::Tensor language_model_loss(fsdp::nn::Module& model, const at::Tensor& input,
                                const at::Tensor& target);
 // Sets the loss policy of every Vocabulary in `model` (e.g. {kWholeLogits} for the plain path).
 void set_vocab_loss_policy(torch::nn::Module& model, const VocabLossPolicy& policy);
+// Sets compute_on_shards of every Vocabulary in `model` (before the strategy's setup).
+void set_vocab_compute_on_shards(torch::nn::Module& model, bool on);
 
 // ---------------------------------------------------------------------------------------------
 // Lightning demo Transformer (lightning.pytorch.demos.Transformer).

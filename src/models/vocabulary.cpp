@@ -18,6 +18,7 @@ at::Tensor Vocabulary::forward(const fsdp::nn::Inputs& inputs) {
   const at::Tensor x = detail::arg(inputs, 0);
   const at::Tensor target = detail::arg(inputs, 1);
   TORCH_CHECK(x.defined(), "[Vocabulary] forward needs token ids or hidden states");
+  if (shards_) return forward_on_shards(x, target);
   if (!x.is_floating_point()) {
     TORCH_CHECK(!target.defined(), "[Vocabulary] token ids take no target (targets go with "
                 "hidden states: forward({hidden, target}) is the loss)");
@@ -28,6 +29,25 @@ at::Tensor Vocabulary::forward(const fsdp::nn::Inputs& inputs) {
   if (!target.defined()) return at::linear(x, weight, bias);  // (..., vocab)
   return linear_cross_entropy(x.reshape({-1, dim()}), weight, bias, target.reshape({-1}),
                               loss_policy);
+}
+
+// Note [Computing on shards] in src/nn/vocab_parallel.cpp.
+at::Tensor Vocabulary::forward_on_shards(const at::Tensor& x, const at::Tensor& target) {
+  const ShardContext& ctx = *shards_;
+  const ParamShard& w = ctx.param("weight");
+  const ParamShard* b = ctx.has("bias") ? &ctx.param("bias") : nullptr;
+  if (!x.is_floating_point()) {
+    TORCH_CHECK(!target.defined(), "[Vocabulary] token ids take no target (targets go with "
+                "hidden states: forward({hidden, target}) is the loss)");
+    return sharded_embedding(x, w, ctx);
+  }
+  TORCH_CHECK(x.size(-1) == dim(), "[Vocabulary] hidden states must end in dim ", dim(), ", got ",
+              x.sizes());
+  if (!target.defined()) {  // all logits: the whole matrix is needed
+    return at::linear(x, gathered_param(w, ctx), b ? gathered_param(*b, ctx) : at::Tensor());
+  }
+  return sharded_linear_cross_entropy(x.reshape({-1, dim()}), w, b, target.reshape({-1}), ctx,
+                                      loss_policy);
 }
 
 at::Tensor language_model_loss(fsdp::nn::Module& model, const at::Tensor& input,
@@ -41,6 +61,12 @@ void set_vocab_loss_policy(torch::nn::Module& model, const VocabLossPolicy& poli
   (void)chunk_tokens_for(policy, 1, 1, 1);
   for (auto& m : model.modules()) {
     if (auto* v = dynamic_cast<Vocabulary*>(m.get())) v->loss_policy = policy;
+  }
+}
+
+void set_vocab_compute_on_shards(torch::nn::Module& model, bool on) {
+  for (auto& m : model.modules()) {
+    if (auto* v = dynamic_cast<Vocabulary*>(m.get())) v->compute_on_shards = on;
   }
 }
 

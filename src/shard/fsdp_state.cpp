@@ -15,6 +15,7 @@
 
 #include "fsdp/activation_checkpointing.h"
 #include "fsdp/nn.h"
+#include "fsdp/sharded_compute.h"
 
 #include <ATen/record_function.h>
 #include <c10/util/Exception.h>
@@ -76,6 +77,9 @@ FsdpState::~FsdpState() {
       h.hooked->remove_hook(h.pre_forward);
       h.hooked->remove_hook(h.post_forward);
     }
+  }
+  for (const auto& m : sharded_modules_) {
+    if (auto module = m.module.lock()) m.sharded->set_shard_context(nullptr);
   }
 }
 
@@ -174,6 +178,7 @@ void FsdpState::materialize() {
   const AliveRef<FsdpState> self = alive_.ref(this);
   for (auto& unit : units_) {
     if (unit->is_root()) continue;
+    if (hand_shards_to_module(*unit)) continue;
     FsdpParamGroup* u = unit.get();
     fsdp::nn::Module* m = unit->module();
     InstalledHooks h;
@@ -193,6 +198,54 @@ void FsdpState::materialize() {
         });
     hooks_.push_back(std::move(h));
   }
+}
+
+// Note [Units on shards]
+// ----------------------
+// A unit whose module implements fsdp::ShardedComputeModule and says yes computes on its shards
+// (Note [Computing on shards] in src/nn/vocab_parallel.cpp): it gets a context with its shards
+// (S, keyed by the names the module registered them under) and the shard group, and no hooks.
+// It never leaves kSharded, so begin_step, on_backward_end and finish_step pass over it; the
+// prefetcher never sees it (it is not in the forward order), and its S.grad is written by
+// autograd, already averaged. Only where that is the same computation: a shard group of 2+
+// ranks without a replicate group (HYBRID_SHARD would also need the replicas' all-reduce),
+// parameters in RAM (offload moves S between uses) and only the module's own parameters.
+// Everywhere else the unit is gathered as any other.
+bool FsdpState::hand_shards_to_module(FsdpParamGroup& unit) {
+  auto* sharded = dynamic_cast<ShardedComputeModule*>(unit.module());
+  if (!sharded || !sharded->computes_on_shards() || unit.params().empty()) return false;
+  const ProcessGroupPtr& group = unit.shard_group();
+  if (!group || group->size() < 2) return false;
+  if (unit.replicate_group() && unit.replicate_group()->size() > 1) return false;
+  if (config_.offload_params != OffloadDevice::kNone) return false;
+  auto context = std::make_shared<ShardContext>();
+  context->group = group;
+  const std::vector<torch::nn::Module*> owners = parameter_owners(*unit.module());
+  for (const auto& p : unit.params()) {
+    const FsdpParam::Registration* own = nullptr;
+    for (const auto& reg : p->registrations()) {
+      if (std::find(owners.begin(), owners.end(), reg.module) != owners.end()) own = &reg;
+    }
+    if (!own || p->aliased()) return false;
+    if (p->casts()) context->compute_dtype = p->compute_dtype();
+    ParamShard shard;
+    shard.shard = p->sharded();
+    shard.dim0 = p->dim0();
+    shard.rows_per_rank = p->shard_rows();
+    shard.rank = group->rank();
+    context->params[own->name] = std::move(shard);
+  }
+  sharded->set_shard_context(std::move(context));
+  ShardedModule m;
+  try {
+    m.module = unit.module()->shared_from_this();
+  } catch (const std::bad_weak_ptr&) {
+    // Not owned by a shared_ptr: it keeps its context.
+  }
+  m.sharded = sharded;
+  sharded_modules_.push_back(std::move(m));
+  on_shards_.insert(&unit);
+  return true;
 }
 
 void FsdpState::place_params_on_disk(ParamSwapper::Options options) {

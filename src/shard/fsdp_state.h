@@ -19,6 +19,10 @@
 #include <unordered_map>
 #include <vector>
 
+namespace fsdp {
+class ShardedComputeModule;
+}
+
 namespace fsdp::detail {
 
 // The engine's configuration (one place builds it from FSDPOptions: make_fsdp_config in
@@ -100,6 +104,9 @@ class FsdpState {
   int64_t peak_live_numel() const { return peak_live_numel_; }
   void reset_peak_live() { peak_live_numel_ = live_numel(); }
   int64_t num_prefetches_evicted() const { return num_prefetches_evicted_; }
+  // Units whose module computes on its shards (fsdp/sharded_compute.h): no hooks, nothing
+  // gathered or reduce-scattered for them.
+  const std::set<const FsdpParamGroup*>& units_on_shards() const { return on_shards_; }
 
   // --- deferred initialization (src/shard/deferred_init.cpp). See Note [Deferred
   // initialization] there. Before build(): shards `module`'s parameters at once as a unit
@@ -128,6 +135,8 @@ class FsdpState {
   void prefetch_window(FsdpParamGroup& unit, bool forward);
   void make_room_for(FsdpParamGroup& unit);
   void note_live() { peak_live_numel_ = std::max(peak_live_numel_, live_numel()); }
+  // See Note [Units on shards] in fsdp_state.cpp. True when `unit` now computes on its shards.
+  bool hand_shards_to_module(FsdpParamGroup& unit);
 
   FsdpConfig config_;
   ProcessGroupPtr shard_group_;
@@ -143,6 +152,13 @@ class FsdpState {
     int post_forward;
   };
   std::vector<InstalledHooks> hooks_;
+  // Modules given a shard context, told to drop it by the destructor.
+  struct ShardedModule {
+    std::weak_ptr<torch::nn::Module> module;
+    ShardedComputeModule* sharded;
+  };
+  std::vector<ShardedModule> sharded_modules_;
+  std::set<const FsdpParamGroup*> on_shards_;
   // Expired in the destructor: every hook and callback (forward hooks, the loss and pre-backward
   // hooks, the post-backward function, the end-of-backward callback) may outlive us when a graph
   // built under this state runs backward later; each reaches us through alive_.ref(this). See
