@@ -52,6 +52,7 @@ struct Config {
   std::string wrap_policy = "layers";
   int64_t vocab_size = 0;  // 0: fsdp-train's default for synthetic data (the preset's, capped at 1024)
   int64_t loss_chunk_tokens = 0;  // fsdp-train --loss-chunk-tokens: 0 auto, -1 whole logits
+  bool vocab_parallel = true;     // fsdp-train --vocab-parallel / --no-vocab-parallel
   std::string fsdp_train;
   std::string work_dir;
   bool json_only = false;
@@ -84,15 +85,19 @@ struct Entry {
 //                  + A
 //   SHARD_GRAD_OP  16 P / W + 4 (P - root) + 8 root + 4 largest unit + A  (units stay gathered
 //                  from forward until their backward)
+// Vocabulary units that compute on their shards (--vocab-parallel, 2+ ranks) are never
+// gathered: they count in the sharded state only, not as the largest unit nor in P - root.
 // The measured peak above it is what the engine holds beyond the arithmetic (all-gather and
 // reduce-scatter buffers, a second unit in flight, the loss's logits).
 struct UnitSizes {
   int64_t params = 0;   // P
   int64_t root = 0;     // elements no unit took
-  int64_t largest = 0;  // elements of the largest unit
+  int64_t largest = 0;  // elements of the largest unit that is gathered
+  int64_t on_shards = 0;  // elements of the vocabulary units that compute on their shards
 };
 
 UnitSizes unit_sizes(const Config& c, const fsdp::AutoWrapPolicy& policy) {
+  const bool vocab_on_shards = c.vocab_parallel && c.devices >= 2;
   std::shared_ptr<fsdp::nn::Module> model;
   {
     fsdp::MetaInitGuard meta;  // shapes only
@@ -124,7 +129,12 @@ UnitSizes unit_sizes(const Config& c, const fsdp::AutoWrapPolicy& policy) {
   for (auto it = units.rbegin(); it != units.rend(); ++it) {
     std::set<const torch::nn::Module*> inner = unit_modules;
     inner.erase(it->module);
-    u.largest = std::max(u.largest, count(*it->module, inner));
+    const int64_t n = count(*it->module, inner);
+    if (vocab_on_shards && dynamic_cast<const fsdp::demos::Vocabulary*>(it->module)) {
+      u.on_shards += n;
+    } else {
+      u.largest = std::max(u.largest, n);
+    }
   }
   u.root = count(*model, unit_modules);
   for (auto& p : model->parameters()) u.params += p.numel();
@@ -138,7 +148,7 @@ double arithmetic_peak(const std::string& label, const UnitSizes& u, int world,
   if (label == "DDP") return 16 * P + activation_bytes;
   const double state = 16 * P / W + 8.0 * u.root;
   if (label == "SHARD_GRAD_OP") {
-    return state + 4.0 * (u.params - u.root) + 4.0 * u.largest + activation_bytes;
+    return state + 4.0 * (u.params - u.root - u.on_shards) + 4.0 * u.largest + activation_bytes;
   }
   return state + 8.0 * u.largest + activation_bytes;
 }
@@ -156,6 +166,7 @@ json run_one(const Config& c, const Entry& e) {
                                    "--summary-json", summary.string()};
   if (c.vocab_size > 0) argv.insert(argv.end(), {"--vocab-size", std::to_string(c.vocab_size)});
   argv.insert(argv.end(), {"--loss-chunk-tokens", std::to_string(c.loss_chunk_tokens)});
+  argv.push_back(c.vocab_parallel ? "--vocab-parallel" : "--no-vocab-parallel");
   argv.insert(argv.end(), e.extra.begin(), e.extra.end());
   std::fprintf(stderr, "[bench strategies] %s on %d rank(s) ...\n", e.label.c_str(), c.devices);
   const int code = fsdp::bench::run_program(argv, dir / (e.label + ".out"),
@@ -206,6 +217,9 @@ int run_strategies(const std::vector<std::string>& args) {
                  "the head's loss in chunks of N tokens (0: fsdp-train's rule, -1: whole logits)")
       ->check(fsdp::cli::at_least(int64_t{-1}))
       ->capture_default_str();
+  app.add_flag("--vocab-parallel,!--no-vocab-parallel", c.vocab_parallel,
+               "on (default): the vocabulary units compute on their shards (fsdp-train "
+               "--vocab-parallel); off: they are gathered as any unit");
   app.add_option("--fsdp-train", c.fsdp_train, "path of fsdp-train (default: beside fsdp-bench)");
   app.add_option("--work-dir", c.work_dir, "logs and summaries (default: a fresh /tmp dir)");
   app.add_flag("--json", c.json_only, "JSON on stdout (always; the table goes to stderr)");
@@ -266,6 +280,7 @@ int run_strategies(const std::vector<std::string>& args) {
   out["load_average_start"] = fsdp::bench::load_average();
   out["config"] = {{"model", c.model},           {"vocab_size", c.vocab_size}, {"devices", c.devices},
                    {"loss_chunk_tokens", c.loss_chunk_tokens},
+                   {"vocab_parallel", c.vocab_parallel},
                    {"steps", c.steps},           {"timed_steps", c.steps - 1},
                    {"batch_size_per_rank", c.batch_size}, {"block_size", c.block_size},
                    {"wrap_policy", c.wrap_policy}, {"optimizer", "adam"},
@@ -291,7 +306,8 @@ int run_strategies(const std::vector<std::string>& args) {
     const double mb = arithmetic_peak(label, u, c.devices, act_mb * 1048576.0) / 1048576.0;
     r["arithmetic_peak_mb"] = mb;
     r["peak_ratio_to_arithmetic"] = r["peak_alloc_mb"].get<double>() / mb;
-    r["arithmetic_units"] = {{"params", u.params}, {"root", u.root}, {"largest_unit", u.largest}};
+    r["arithmetic_units"] = {{"params", u.params}, {"root", u.root}, {"largest_unit", u.largest},
+                              {"vocab_on_shards", u.on_shards}};
   }
   auto ddp_it = std::find_if(results.begin(), results.end(),
                              [](const json& r) { return r["strategy"] == "DDP"; });

@@ -51,6 +51,7 @@ void LanguageModel::configure_model() {
   if (model_) return;  // idempotent, as Lightning asks
   model_ = register_module("model", build_model(spec_));
   demos::set_vocab_loss_policy(*model_, spec_.loss);
+  demos::set_vocab_compute_on_shards(*model_, spec_.vocab_parallel);
   if (spec_.activation_checkpointing) {
     // A module transform, so it works under every strategy (under FSDP the model's own
     // choice is respected: FSDPOptions::activation_checkpointing_policy stays empty here).

@@ -19,6 +19,7 @@ struct ModelSpec {
   double dropout = 0;
   bool activation_checkpointing = false;   // checkpoint the model's layer types
   VocabLossPolicy loss;                    // --loss-chunk-tokens: the head's chunked loss
+  bool vocab_parallel = true;              // --vocab-parallel: vocabulary units on their shards
 
   // The module types activation checkpointing recomputes.
   nn::ModuleTypes layer_types() const;
