@@ -350,7 +350,7 @@ int main(int argc, char** argv) {
   app.add_flag("--vocab-parallel,!--no-vocab-parallel", a.model.vocab_parallel,
                "on (default): under a sharding strategy the embedding and the head compute on "
                "their shards of the vocabulary and move the tokens, never gathering the "
-               "vocabulary matrices (docs/fsdp.md); off: gather them as any unit");
+               "vocabulary matrices (docs/models_and_data.md); off: gather them as any unit");
   app.option_defaults()->group("Optimizer");
   app.add_option("--optimizer", a.optimizer.name,
                  "adam | adamw | sgd | cpu_adam | cpu_adamw (fused CPU Adam / AdamW, fsdp::optim::CPUAdam)")

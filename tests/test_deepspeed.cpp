@@ -147,6 +147,37 @@ TEST(DeepSpeed, Stage3NothingPersistentTrainsThroughTheModelsLossGloo2And3) {
   }
 }
 
+// Stage 3 with the default persistence threshold keeps small parameters whole on every rank:
+// the Transformer's decoder bias (kVocab elements) stays replicated while its weight is a unit
+// computing on its shards (fsdp/sharded_compute.h). The bias must still take part, with this
+// rank's own gradient for the strategy to reduce: through the loss and through all logits.
+TEST(DeepSpeed, Stage3VocabularyOnShardsWithAPersistentBiasGloo2And3) {
+  for (int world : {2, 3}) {
+    fsdp::testing::run_ranks(world, "gloo", [](fsdp::ProcessGroup&) {
+      for (bool vocab_loss : {true, false}) {
+        SCOPED_TRACE(vocab_loss ? "loss" : "all logits");
+        LoopConfig cfg;
+        cfg.steps = 4;
+        TinyLM ref;
+        ref.vocab_loss = vocab_loss;
+        auto want = fsdp::testing::train_reference(ref, cfg);
+        TinyLM lm;
+        lm.vocab_loss = vocab_loss;
+        auto s = connected(zero_options(3));
+        auto got = fsdp::testing::train_with(*s, lm, cfg);
+        fsdp::testing::expect_losses_close(got, want, 1e-5);
+        fsdp::testing::expect_params_close(s->gather_full_params(), ref, 1e-5);
+        auto* model = dynamic_cast<fsdp::demos::Transformer*>(lm.model.get());
+        ASSERT_TRUE(model);
+        const fsdp::ShardContext* shards = model->decoder->shard_context();
+        ASSERT_TRUE(shards) << "the decoder does not compute on its shards";
+        EXPECT_TRUE(shards->has("weight"));
+        EXPECT_FALSE(shards->has("bias")) << "the bias was expected to be persistent (whole)";
+      }
+    });
+  }
+}
+
 // bf16-mixed as the Trainer runs it for these strategies (CPU autocast, fp32 parameters and
 // state), against DDP at the same world (same per-rank batches, so the same bf16 roundings) and
 // against the single process within the stated bf16 tolerance (the single process multiplies 12

@@ -92,7 +92,7 @@ void check_ops(int64_t vocab) {
     fsdp::VocabLossPolicy policy;
     policy.chunk_tokens = chunk;
     // Reference: each rank's loss on the whole matrix, the matrix gradients averaged.
-    at::Tensor want_loss, want_hidden_grad;
+    at::Tensor want_loss, want_hidden_grad, want_own_bias_grad;
     at::Tensor w_grad = at::zeros_like(weight), b_grad = at::zeros_like(bias);
     for (int q = 0; q < world; ++q) {
       at::Tensor w = weight.clone().set_requires_grad(true);
@@ -107,6 +107,7 @@ void check_ops(int64_t vocab) {
       if (q == rank) {
         want_loss = loss.detach();
         want_hidden_grad = h.grad();
+        want_own_bias_grad = b.grad();
       }
     }
     at::Tensor ws = shard_of(weight, rank, world), bs = shard_of(bias, rank, world);
@@ -118,6 +119,19 @@ void check_ops(int64_t vocab) {
     expect_close(h.grad(), want_hidden_grad, 1e-5, "hidden gradient");
     expect_close(ws.grad(), rows_of(w_grad, rank, world), 1e-5, "weight shard gradient");
     expect_close(bs.grad(), rows_of(b_grad, rank, world), 1e-5, "bias shard gradient");
+
+    // A bias every rank holds whole (ZeRO-3's persistent parameters): the same loss, and the
+    // bias's gradient is this rank's own, for the strategy to reduce.
+    at::Tensor ws2 = shard_of(weight, rank, world);
+    at::Tensor whole_bias = bias.clone().set_requires_grad(true);
+    at::Tensor h2 = mine.hidden.clone().set_requires_grad(true);
+    at::Tensor loss2 = fsdp::sharded_linear_cross_entropy(
+        h2, param_shard(ws2, vocab, rank), nullptr, mine.target, ctx, policy, whole_bias);
+    (loss2 * mine.loss_scale).backward();
+    expect_close(loss2.detach(), want_loss, 1e-6, "loss, whole bias");
+    expect_close(h2.grad(), want_hidden_grad, 1e-5, "hidden gradient, whole bias");
+    expect_close(ws2.grad(), rows_of(w_grad, rank, world), 1e-5, "weight shard gradient, whole bias");
+    expect_close(whole_bias.grad(), want_own_bias_grad, 1e-5, "this rank's whole-bias gradient");
   }
 
   // --- the embedding: exact forward, averaged gradient.

@@ -61,7 +61,10 @@ struct ShardContext {
   ProcessGroupPtr group;  // the ranks the parameters are split over (2 or more)
   // The dtype the unit computes in (MixedPrecisionPolicy::param_dtype), nullopt: the shard's.
   std::optional<at::ScalarType> compute_dtype;
-  std::map<std::string, ParamShard> params;  // the module's own parameters by registered name
+  // The unit's parameters by the name the module registered them under. A parameter the
+  // strategy leaves whole on every rank (ignored, ZeRO-3's persistent ones) is not here: the
+  // module computes with its own tensor for it, and the strategy reduces its gradient.
+  std::map<std::string, ParamShard> params;
   // The parameter registered as `name`; an error naming the module's parameters when missing.
   const ParamShard& param(const std::string& name) const;
   bool has(const std::string& name) const { return params.count(name) > 0; }
@@ -90,10 +93,14 @@ at::Tensor sharded_embedding(const at::Tensor& ids, const ParamShard& weight,
 // where weight (vocab, dim) and bias (vocab, or nullptr) are sharded by rows: each rank forms
 // the logits of all ranks' tokens for its rows, chunk by chunk; an all-reduce of each token's
 // max and sum of exponentials gives the log-sum-exp. Backward recomputes the chunks.
+// `replicated_bias` (vocab), instead of a bias shard: a bias every rank holds whole (one the
+// strategy left unsharded, e.g. ZeRO-3's persistent parameters); its gradient is then this
+// rank's own, to be reduced by the strategy as for any replicated parameter.
 at::Tensor sharded_linear_cross_entropy(const at::Tensor& hidden, const ParamShard& weight,
                                         const ParamShard* bias, const at::Tensor& target,
                                         const ShardContext& context,
-                                        const VocabLossPolicy& policy = {});
+                                        const VocabLossPolicy& policy = {},
+                                        const at::Tensor& replicated_bias = {});
 
 // The whole parameter, all-gathered from its shards (differentiable: the gradient is
 // reduce-scattered and averaged into the shard). For the uses that need the whole matrix (all

@@ -43,11 +43,13 @@ at::Tensor Vocabulary::forward_on_shards(const at::Tensor& x, const at::Tensor& 
   }
   TORCH_CHECK(x.size(-1) == dim(), "[Vocabulary] hidden states must end in dim ", dim(), ", got ",
               x.sizes());
+  // A bias the strategy left whole on every rank (ZeRO-3 keeps small parameters replicated).
+  const at::Tensor whole_bias = !b && bias.defined() ? bias : at::Tensor();
   if (!target.defined()) {  // all logits: the whole matrix is needed
-    return at::linear(x, gathered_param(w, ctx), b ? gathered_param(*b, ctx) : at::Tensor());
+    return at::linear(x, gathered_param(w, ctx), b ? gathered_param(*b, ctx) : whole_bias);
   }
   return sharded_linear_cross_entropy(x.reshape({-1, dim()}), w, b, target.reshape({-1}), ctx,
-                                      loss_policy);
+                                      loss_policy, whole_bias);
 }
 
 at::Tensor language_model_loss(fsdp::nn::Module& model, const at::Tensor& input,

@@ -133,6 +133,15 @@ at::Tensor in_compute_dtype(const at::Tensor& shard, int64_t compute_dtype) {
                                                                             : shard.to(dtype);
 }
 
+// This rank's rows [row_begin, row_begin + R) of a whole (V) vector, zero past V: a differentiable
+// slice, so a replicated bias gets its gradient at those rows.
+at::Tensor rows_of_whole(const at::Tensor& whole, int64_t row_begin, int64_t rows) {
+  const int64_t end = std::min<int64_t>(whole.size(0), row_begin + rows);
+  const int64_t real = std::max<int64_t>(0, end - row_begin);
+  at::Tensor part = whole.narrow(0, std::min<int64_t>(row_begin, whole.size(0)), real);
+  return real == rows ? part : at::constant_pad_nd(part, {0, rows - real}, 0);
+}
+
 int64_t dtype_code(const std::optional<at::ScalarType>& dtype) {
   return static_cast<int64_t>(dtype.value_or(at::ScalarType::Undefined));
 }
@@ -190,7 +199,7 @@ struct ShardedLinearCrossEntropyFunction
                             const at::Tensor& weight_shard, const at::Tensor& bias_shard,
                             const at::Tensor& target, const ProcessGroupPtr& group_ptr,
                             int64_t row_begin, int64_t real_rows, int64_t ignore_index,
-                            int64_t chunk_policy, int64_t compute_dtype) {
+                            int64_t chunk_policy, int64_t compute_dtype, bool bias_replicated) {
     ProcessGroup& group = *group_ptr;
     const int64_t n = hidden.size(0);
     const int64_t shard_rows = weight_shard.size(0);
@@ -200,8 +209,11 @@ struct ShardedLinearCrossEntropyFunction
         all_gather_rows(target, rows, group, static_cast<double>(ignore_index));  // (T)
     const int64_t tokens = all_hidden.size(0);
     const at::Tensor weight = in_compute_dtype(weight_shard, compute_dtype);
+    // A replicated bias (V) takes part with this rank's rows (Note [Computing on shards]).
+    const at::Tensor bias_rows =
+        bias_replicated ? rows_of_whole(bias_shard, row_begin, shard_rows) : bias_shard;
     const at::Tensor bias =
-        bias_shard.numel() > 0 ? in_compute_dtype(bias_shard, compute_dtype) : at::Tensor();
+        bias_shard.numel() > 0 ? in_compute_dtype(bias_rows, compute_dtype) : at::Tensor();
     VocabLossPolicy policy;
     policy.chunk_tokens = chunk_policy;
     const int64_t chunk = chunk_tokens_for(policy, tokens, shard_rows, hidden.size(1));
@@ -254,6 +266,7 @@ struct ShardedLinearCrossEntropyFunction
     ctx->saved_data["real_rows"] = real_rows;
     ctx->saved_data["ignore_index"] = ignore_index;
     ctx->saved_data["compute_dtype"] = compute_dtype;
+    ctx->saved_data["bias_replicated"] = bias_replicated;
     return loss;  // NaN when this rank's targets are all ignored, as at::cross_entropy_loss
   }
 
@@ -262,7 +275,7 @@ struct ShardedLinearCrossEntropyFunction
     const auto saved = ctx->get_saved_variables();
     const at::Tensor& all_hidden = saved[0];    // (T, E)
     const at::Tensor& weight_shard = saved[1];  // (R, E)
-    const at::Tensor& bias_shard = saved[2];    // (R) or (0)
+    const at::Tensor& bias_shard = saved[2];    // (R), (V) when replicated, or (0)
     const at::Tensor& all_target = saved[3];    // (T)
     const at::Tensor& lse = saved[4];           // (T)
     ProcessGroup& group = group_of(ctx);
@@ -276,6 +289,7 @@ struct ShardedLinearCrossEntropyFunction
     const int64_t compute_dtype = ctx->saved_data["compute_dtype"].toInt();
     const auto autocast = static_cast<at::ScalarType>(ctx->saved_data["autocast_dtype"].toInt());
     const bool has_bias = bias_shard.numel() > 0;
+    const bool bias_replicated = ctx->saved_data["bias_replicated"].toBool();
     const bool want_hidden = ctx->needs_input_grad(0);
     const bool want_weight = ctx->needs_input_grad(1);
     const bool want_bias = has_bias && ctx->needs_input_grad(2);
@@ -294,13 +308,24 @@ struct ShardedLinearCrossEntropyFunction
     const at::Tensor safe = at::where(mine, local, at::zeros({}, local.options()));
 
     const at::Tensor weight = in_compute_dtype(weight_shard, compute_dtype);
-    const at::Tensor bias = has_bias ? in_compute_dtype(bias_shard, compute_dtype) : at::Tensor();
+    const at::Tensor bias =
+        has_bias ? in_compute_dtype(bias_replicated ? rows_of_whole(bias_shard, row_begin, shard_rows)
+                                                    : bias_shard,
+                                    compute_dtype)
+                 : at::Tensor();
     const bool cast = autocast != at::ScalarType::Undefined;
     const at::Tensor w_logits = cast ? weight.to(autocast) : weight;
     const at::Tensor b_logits = cast && bias.defined() ? bias.to(autocast) : bias;
     at::Tensor grad_hidden_all = want_hidden ? at::zeros(all_hidden.sizes(), acc) : at::Tensor();
     at::Tensor grad_weight = want_weight ? at::zeros({shard_rows, weight.size(1)}, acc) : at::Tensor();
-    at::Tensor grad_bias = want_bias ? at::zeros({shard_rows}, acc) : at::Tensor();
+    // A replicated bias needs each rank's own tokens' gradient over all rows: here, per owner
+    // rank of the tokens, for this rank's rows (W, R); an all-to-all then hands each rank its
+    // tokens' part from every rank's rows.
+    at::Tensor grad_bias =
+        want_bias ? at::zeros(bias_replicated ? at::IntArrayRef{group.size(), shard_rows}
+                                              : at::IntArrayRef{shard_rows},
+                              acc)
+                  : at::Tensor();
     if (real_rows > 0) {
       for (int64_t begin = 0; begin < tokens; begin += chunk) {
         const int64_t len = std::min(chunk, tokens - begin);
@@ -320,7 +345,13 @@ struct ShardedLinearCrossEntropyFunction
           grad_hidden_all.narrow(0, begin, len).copy_(at::mm(gc, weight));
         }
         if (want_weight) grad_weight.addmm_(g.t(), h.to(acc.dtype()));
-        if (want_bias) grad_bias.add_(g.sum(0));
+        if (want_bias && bias_replicated) {
+          const at::Tensor owner =
+              at::arange(begin, begin + len, at::TensorOptions().dtype(at::kLong)).div_(rows, "floor");
+          grad_bias.index_add_(0, owner, g);
+        } else if (want_bias) {
+          grad_bias.add_(g.sum(0));
+        }
       }
     }
     at::Tensor grad_hidden;
@@ -329,9 +360,17 @@ struct ShardedLinearCrossEntropyFunction
     }
     // Note [Computing on shards]: the shard's gradient is the ranks' average.
     if (want_weight) grad_weight = grad_weight.div_(group.size()).to(weight_shard.scalar_type());
-    if (want_bias) grad_bias = grad_bias.div_(group.size()).to(bias_shard.scalar_type());
+    if (want_bias && bias_replicated) {
+      // This rank's tokens' gradient for the whole bias, not averaged: the bias is replicated
+      // and its strategy reduces it as any replicated parameter.
+      at::Tensor mine_all = at::empty_like(grad_bias);
+      group.all_to_all(mine_all, grad_bias.contiguous());
+      grad_bias = mine_all.reshape({-1}).narrow(0, 0, bias_shard.size(0)).to(bias_shard.scalar_type());
+    } else if (want_bias) {
+      grad_bias = grad_bias.div_(group.size()).to(bias_shard.scalar_type());
+    }
     return {grad_hidden, grad_weight, grad_bias, at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -384,8 +423,15 @@ at::Tensor sharded_embedding(const at::Tensor& ids, const ParamShard& weight,
 at::Tensor sharded_linear_cross_entropy(const at::Tensor& hidden, const ParamShard& weight,
                                         const ParamShard* bias, const at::Tensor& target,
                                         const ShardContext& context,
-                                        const VocabLossPolicy& policy) {
+                                        const VocabLossPolicy& policy,
+                                        const at::Tensor& replicated_bias) {
   check_context(context, "sharded_linear_cross_entropy");
+  TORCH_CHECK(!(bias && replicated_bias.defined()),
+              "[sharded_linear_cross_entropy] give the bias as a shard or whole, not both");
+  TORCH_CHECK(!replicated_bias.defined() ||
+                  (replicated_bias.dim() == 1 && replicated_bias.size(0) == weight.dim0),
+              "[sharded_linear_cross_entropy] a whole bias must be (", weight.dim0, "), got ",
+              replicated_bias.defined() ? replicated_bias.sizes() : at::IntArrayRef{});
   const at::Tensor& w = weight.shard;
   TORCH_CHECK(hidden.dim() == 2 && w.dim() == 2 && target.dim() == 1 &&
                   hidden.size(1) == w.size(1) && hidden.size(0) == target.size(0) &&
@@ -398,10 +444,13 @@ at::Tensor sharded_linear_cross_entropy(const at::Tensor& hidden, const ParamSha
               "[sharded_linear_cross_entropy] target must be int64, got ", target.scalar_type());
   // Validated here so every rank fails alike, before any collective.
   (void)chunk_tokens_for(policy, 1, 1, 1);
-  const at::Tensor bias_or_empty = bias ? bias->shard : at::empty({0}, w.options());
+  const at::Tensor bias_or_empty = bias ? bias->shard
+                                  : replicated_bias.defined() ? replicated_bias
+                                                              : at::empty({0}, w.options());
   return ShardedLinearCrossEntropyFunction::apply(
       hidden, w, bias_or_empty, target, context.group, weight.row_begin(), weight.real_rows(),
-      policy.ignore_index, policy.chunk_tokens, dtype_code(context.compute_dtype));
+      policy.ignore_index, policy.chunk_tokens, dtype_code(context.compute_dtype),
+      replicated_bias.defined());
 }
 
 at::Tensor gathered_param(const ParamShard& param, const ShardContext& context) {

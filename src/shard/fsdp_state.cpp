@@ -211,22 +211,43 @@ void FsdpState::materialize() {
 // ranks without a replicate group (HYBRID_SHARD would also need the replicas' all-reduce),
 // parameters in RAM (offload moves S between uses) and only the module's own parameters.
 // Everywhere else the unit is gathered as any other.
-bool FsdpState::hand_shards_to_module(FsdpParamGroup& unit) {
+namespace {
+
+// The registration of `p` in the unit's own module (or its holder's), or null.
+const FsdpParam::Registration* own_registration(const FsdpParam& p,
+                                                const std::vector<torch::nn::Module*>& owners) {
+  for (const auto& reg : p.registrations()) {
+    if (std::find(owners.begin(), owners.end(), reg.module) != owners.end()) return &reg;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+bool FsdpState::computes_on_shards(const FsdpParamGroup& unit) const {
+  if (unit.is_root() || unit.params().empty()) return false;
   auto* sharded = dynamic_cast<ShardedComputeModule*>(unit.module());
-  if (!sharded || !sharded->computes_on_shards() || unit.params().empty()) return false;
+  if (!sharded || !sharded->computes_on_shards()) return false;
   const ProcessGroupPtr& group = unit.shard_group();
   if (!group || group->size() < 2) return false;
   if (unit.replicate_group() && unit.replicate_group()->size() > 1) return false;
   if (config_.offload_params != OffloadDevice::kNone) return false;
+  const std::vector<torch::nn::Module*> owners = parameter_owners(*unit.module());
+  for (const auto& p : unit.params()) {
+    if (!own_registration(*p, owners)) return false;
+  }
+  return true;
+}
+
+bool FsdpState::hand_shards_to_module(FsdpParamGroup& unit) {
+  if (!computes_on_shards(unit)) return false;
+  auto* sharded = dynamic_cast<ShardedComputeModule*>(unit.module());
+  const ProcessGroupPtr& group = unit.shard_group();
   auto context = std::make_shared<ShardContext>();
   context->group = group;
   const std::vector<torch::nn::Module*> owners = parameter_owners(*unit.module());
   for (const auto& p : unit.params()) {
-    const FsdpParam::Registration* own = nullptr;
-    for (const auto& reg : p->registrations()) {
-      if (std::find(owners.begin(), owners.end(), reg.module) != owners.end()) own = &reg;
-    }
-    if (!own || p->aliased()) return false;
+    const FsdpParam::Registration* own = own_registration(*p, owners);
     if (p->casts()) context->compute_dtype = p->compute_dtype();
     ParamShard shard;
     shard.shard = p->sharded();

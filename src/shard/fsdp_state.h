@@ -107,6 +107,9 @@ class FsdpState {
   // Units whose module computes on its shards (fsdp/sharded_compute.h): no hooks, nothing
   // gathered or reduce-scattered for them.
   const std::set<const FsdpParamGroup*>& units_on_shards() const { return on_shards_; }
+  // Whether `unit` computes on its shards once materialized (after build(); memory planning
+  // asks before). See Note [Units on shards] in fsdp_state.cpp.
+  bool computes_on_shards(const FsdpParamGroup& unit) const;
 
   // --- deferred initialization (src/shard/deferred_init.cpp). See Note [Deferred
   // initialization] there. Before build(): shards `module`'s parameters at once as a unit

@@ -33,6 +33,8 @@ FSDPMemoryEstimate FSDPStrategy::memory_estimate() const {
     }
     if (unit->is_root()) {
       if (!aliased) e.unsharded_peak_bytes += params + grads;
+    } else if (state.computes_on_shards(*unit)) {
+      // Never gathered, its gradient formed sharded (fsdp/sharded_compute.h).
     } else {
       unit_bytes.push_back(params + grads);
       sum_unit_params += params;
