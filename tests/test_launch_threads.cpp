@@ -5,7 +5,6 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
-#include <regex>
 #include <thread>
 
 #include "comm/launcher_detail.h"
@@ -29,7 +28,7 @@ struct Announced {
 
 Announced announced(const std::string& err) {
   Announced a;
-  std::regex re(R"(\[fsdp\] [0-9]+ (ranks|process) on [0-9]+ cores?[^\n]*: ([0-9]+) intra-op thread)");
+  const std::regex& re = thread_choice_line();
   for (auto it = std::sregex_iterator(err.begin(), err.end(), re); it != std::sregex_iterator();
        ++it) {
     if (a.lines++ == 0) {
