@@ -36,7 +36,7 @@ TEST(ThreadChoice, IdleMachineSharesEveryCore) {
 }
 
 TEST(ThreadChoice, BusyCoresAreLeftToTheirWork) {
-  // The case that was 15 it/s against 222: one process, two cores, one kept busy by a build.
+  // One process, two cores, one kept busy by other work (a build, a busy loop).
   EXPECT_EQ(threads(facts(2, 1, 1.0)), 1);
   EXPECT_EQ(threads(facts(2, 1, 1.6)), 1);
   EXPECT_EQ(threads(facts(2, 2, 1.6)), 1);

@@ -13,8 +13,9 @@ namespace fsdp::detail {
 // ~~~~~~~~~~~~~~~~~~~~~~~
 // libtorch gives a process one intra-op thread per core. An intra-op loop ends when its slowest
 // thread does, so a thread that shares its core with other work (a compiler, another job, a
-// sibling rank) makes every op wait for it: on a 2-core machine with one core busy, a 2-thread
-// training step ran ~15x slower than a 1-thread one. So each rank gets
+// sibling rank) makes every op wait for it: on a 2-core machine with one core busy, fsdp-train
+// ran 3.3x slower with 2 threads than with 1 (docs/benchmarks/threads_cpu-epyc-2core_2026-11-28.md).
+// So each rank gets
 //
 //   threads = clamp(round(cores - busy) / local_ranks, 1, cores / local_ranks)
 //
