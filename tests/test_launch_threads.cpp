@@ -98,6 +98,24 @@ TEST(LaunchThreads, FsdpNumThreadsIsTheUsersAndSaysSo) {
   EXPECT_EQ(count(r.out, " threads 2 "), 3u) << r.out;
 }
 
+// A program that launches twice (two Trainers) says its choice once, under each launcher.
+TEST(LaunchThreads, LaunchingTwiceSaysTheChoiceOnce) {
+  const std::map<std::string, std::string> user = {{"FSDP_NUM_THREADS", "2"}};
+  std::vector<std::vector<std::string>> launches = {{helper(), "--devices", "2", "--launch-twice"},
+                                                    {helper(), "--devices", "1", "--launch-twice"}};
+  if (!fsdp::detail::find_on_path("mpirun").empty()) {
+    launches.push_back(fsdp::detail::mpirun_prefix(2));
+    launches.back().insert(launches.back().end(), {helper(), "--launch-twice"});
+  }
+  for (const auto& argv : launches) {
+    ProcResult r = run_process(argv, user, 120);
+    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+    const bool one = argv[1] == "--devices" && argv[2] == "1";
+    EXPECT_EQ(count(r.err, "intra-op thread"), one ? 0u : 1u) << argv[0] << "\n" << r.err;
+    EXPECT_EQ(count(r.out, " threads 2 "), one ? 1u : 2u) << r.out;
+  }
+}
+
 // Other work on every core this process may use: a process launched now gets one thread, not one
 // per core, and says why.
 TEST(LaunchThreads, OneProcessOnBusyCoresGetsOneThread) {

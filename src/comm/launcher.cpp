@@ -12,7 +12,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
+#include <map>
+#include <mutex>
 #include <optional>
+#include <utility>
 #include <thread>
 
 #include "comm/launcher_detail.h"
@@ -174,8 +177,16 @@ void on_rank0_exit(int status, void*) {
 // the cores as soon as two ranks, or a rank and other work, share them (docs/design.md "Facts
 // about libtorch 2.13 on this machine": ~1000x slower matmuls under load). `announce`: this
 // process says what it chose, when the choice is made here.
+// A process that launches more than once (a program that builds two Trainers) measures and
+// says its choice once: the first choice for the same ranks and FSDP_NUM_THREADS is kept.
 void set_threads(int local_ranks, bool announce) {
-  at::set_num_threads(threads_per_rank(local_ranks, announce));
+  static std::mutex mutex;
+  static std::map<std::pair<int, int>, int> chosen;  // {local ranks, FSDP_NUM_THREADS or 0}
+  std::lock_guard<std::mutex> lock(mutex);
+  const std::pair<int, int> key{local_ranks, read_settings().num_threads.value_or(0)};
+  auto it = chosen.find(key);
+  if (it == chosen.end()) it = chosen.emplace(key, threads_per_rank(local_ranks, announce)).first;
+  at::set_num_threads(it->second);
 }
 
 }  // namespace

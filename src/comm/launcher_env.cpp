@@ -79,9 +79,10 @@ int launch_threads(int local_ranks, bool announce) {
 
 int threads_per_rank(int local_ranks, bool announce) {
   const Settings settings = read_settings();
-  if (settings.num_threads) return *settings.num_threads;
-  // Handed over by the launcher that started this rank; it measured and said so.
-  if (settings.launch_threads && settings.launch.source != "none") return *settings.launch_threads;
+  // Started by one of fsdp.cpp's launchers: it chose (FSDP_NUM_THREADS first) and said so.
+  if (settings.launch_threads && settings.launch.source != "none") {
+    return settings.num_threads.value_or(*settings.launch_threads);
+  }
   return launch_threads(local_ranks, announce);
 }
 
