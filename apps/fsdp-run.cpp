@@ -1,6 +1,6 @@
 // fsdp-run: our torchrun. Starts N local ranks of any program with the launcher environment
 // (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT,
-// OMP_NUM_THREADS/FSDP_NUM_THREADS), watches them, and ends all of them when one fails.
+// OMP_NUM_THREADS/FSDP_LAUNCH_THREADS), watches them, and ends all of them when one fails.
 //
 //   fsdp-run -n 4 -- build/bin/fsdp-train --devices 4 ...
 //   fsdp-run -n 2 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 -- prog
@@ -100,7 +100,8 @@ int main(int argc, char** argv) {
     }
     if (job_id.empty()) job_id = default_job_id(nnodes, command, master_addr, master_port);
     int world = nproc * nnodes;
-    int threads = threads_per_rank(nproc);
+    // Measured before the ranks start, so their start-up is not counted as load.
+    int threads = launch_threads(nproc, /*announce=*/true);
 
     if (backend == "mpi") {
       TORCH_CHECK(nnodes == 1, "[fsdp-run] --backend mpi with --nnodes ", nnodes,
@@ -112,7 +113,7 @@ int main(int argc, char** argv) {
       std::vector<std::string> mpi = mpirun_prefix(nproc);
       mpi.insert(mpi.end(), command.begin(), command.end());
       ::setenv("OMP_NUM_THREADS", std::to_string(threads).c_str(), 1);
-      ::setenv(kEnvNumThreads, std::to_string(threads).c_str(), 1);
+      ::setenv(kEnvLaunchThreads, std::to_string(threads).c_str(), 1);
       if (nproc > available_cores()) ::setenv("OMPI_MCA_mpi_yield_when_idle", "1", 1);
       run_mpirun_filtered(mpi);  // See Note [MPI launch output]
     }
@@ -135,7 +136,7 @@ int main(int argc, char** argv) {
           {"MASTER_ADDR", master_addr},
           {"MASTER_PORT", std::to_string(master_port)},
           {"OMP_NUM_THREADS", std::to_string(threads)},
-          {kEnvNumThreads, std::to_string(threads)},
+          {kEnvLaunchThreads, std::to_string(threads)},
           {kEnvLauncher, "fsdp-run"},
           {"FSDP_JOB_ID", job_id},
       };

@@ -140,7 +140,11 @@ nlohmann::json write_batches(const std::string& fsdp_train, const TrainRun& run)
 nlohmann::json run_fsdp_train(const std::string& fsdp_train, const TrainRun& run,
                               const std::vector<std::string>& flags, const std::string& name) {
   const fs::path summary = run.dir / (name + ".json");
-  std::vector<std::string> argv = fsdp_train_argv(fsdp_train, run);
+  // cores / ranks threads per rank, as the peers get and the record says, whatever the load
+  // (fsdp-train would otherwise choose from the free cores: docs/launching.md).
+  const unsigned threads = std::max(1u, std::thread::hardware_concurrency() / run.devices);
+  std::vector<std::string> argv = {"env", "FSDP_NUM_THREADS=" + std::to_string(threads)};
+  for (const auto& a : fsdp_train_argv(fsdp_train, run)) argv.push_back(a);
   for (const auto& f : flags) argv.push_back(f);
   // The peers run on Gloo: unless `flags` choose, fsdp-train does too (not --backend auto,
   // which would pick MPI on one host), so comparisons hold the backend fixed.
@@ -175,7 +179,7 @@ nlohmann::json run_fsdp_train(const std::string& fsdp_train, const TrainRun& run
   }
   if (s.contains("comm_bytes_per_step")) r["comm_bytes_per_step"] = s["comm_bytes_per_step"];
   r["peak_rss_mb"] = rss;
-  r["threads_per_rank"] = std::max(1u, std::thread::hardware_concurrency() / run.devices);
+  r["threads_per_rank"] = threads;
   return r;
 }
 

@@ -3,6 +3,7 @@
 // way while the others wait (as ranks blocked in a collective would).
 //
 //   helper_launch --devices 3 --fail-rank 2 --how throw|abort|sigkill|exit|segv|fail_rank|oom|stop
+//   helper_launch --devices 2 --launch-twice     (fsdp::launch called twice, as two Trainers do)
 //
 // stop: the rank stops itself (SIGSTOP), as a rank frozen by a debugger, a job-control signal or
 // a host that stops scheduling it; it never resumes.
@@ -33,6 +34,7 @@ int main(int argc, char** argv) {
   double survivor_s = 60;  // how long the other ranks wait before exiting 0 by themselves
   int rank0_status = 0;
   bool collective = false;  // survivors wait in a barrier (as real ranks would) instead of sleeping
+  bool launch_twice = false;  // call fsdp::launch a second time, as a program with two Trainers
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto next = [&] { return std::string(i + 1 < argc ? argv[++i] : ""); };
@@ -52,12 +54,15 @@ int main(int argc, char** argv) {
       rank0_status = std::atoi(next().c_str());
     else if (a == "--collective")
       collective = true;
+    else if (a == "--launch-twice")
+      launch_twice = true;
     else {
       std::fprintf(stderr, "helper_launch: unknown argument %s\n", a.c_str());
       return 2;
     }
   }
   fsdp::LaunchInfo info = fsdp::launch(options);
+  if (launch_twice) info = fsdp::launch(options);
   std::printf("rank %d world %d local %d/%d node %d/%d source %s threads %d pid %d port %d\n",
               info.rank, info.world_size, info.local_rank, info.local_world_size, info.node_rank,
               info.num_nodes, info.source.c_str(), at::get_num_threads(),

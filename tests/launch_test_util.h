@@ -1,5 +1,5 @@
 // Helpers for tests that run tests/helper_launch as real processes (tests/test_launcher.cpp,
-// tests/test_stopped_rank.cpp, tests/test_launch_errors.cpp).
+// tests/test_stopped_rank.cpp, tests/test_launch_errors.cpp, tests/test_launch_threads.cpp).
 #pragma once
 
 #include <chrono>
@@ -83,6 +83,15 @@ inline std::string mpirun_log_named_in(const std::string& err) {
 inline void remove_mpirun_log(const std::string& err) {
   const std::string path = mpirun_log_named_in(err);
   if (!path.empty()) std::filesystem::remove(path);
+}
+
+// The line a launch prints once about its intra-op threads (Note [Threads per rank] in
+// src/comm/thread_choice.cpp): "[fsdp] 2 ranks on 2 cores, ...: 1 intra-op thread per rank ...".
+// Group 1: "ranks" or "process"; group 2: the thread count.
+inline const std::regex& thread_choice_line() {
+  static const std::regex re(
+      R"(\[fsdp\] [0-9]+ (ranks|process) on [0-9]+ cores?[^\n]*: ([0-9]+) intra-op threads?[^\n]*)");
+  return re;
 }
 
 }  // namespace fsdp::testing::launch

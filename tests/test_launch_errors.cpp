@@ -19,24 +19,28 @@ using fsdp::testing::ProcResult;
 using fsdp::testing::run_process;
 using namespace fsdp::testing::launch;
 
+// The lines of `text`, without empty ones and without the line the launch printed when it
+// started about its threads per rank (information, not part of any failure).
 std::vector<std::string> lines_of(const std::string& text) {
   std::vector<std::string> out;
   std::istringstream in(text);
   std::string line;
   while (std::getline(in, line)) {
-    if (!line.empty()) out.push_back(line);
+    if (!line.empty() && !std::regex_match(line, thread_choice_line())) out.push_back(line);
   }
   return out;
 }
 
 // A rank throws; the others wait (in a barrier, or asleep). stderr holds the failing rank's line
-// and at most one line of the launcher (its summary, or where mpirun's messages went).
+// and at most one line of the launcher (its summary, or where mpirun's messages went), besides
+// the launch's line about its threads.
 void expect_one_clean_error(const std::vector<std::string>& argv, bool mpirun) {
   const ProcResult r = run_process(argv, {}, 120);
   SCOPED_TRACE("stdout:\n" + r.out + "\nstderr:\n" + r.err);
   EXPECT_NE(r.exit_code, 0);
   const auto lines = lines_of(r.err);
   EXPECT_LE(lines.size(), 2u);
+  EXPECT_LE(count(r.err, "intra-op thread"), 1u);
   EXPECT_EQ(count(r.err, "[rank 1] error: uncaught exception: helper: rank 1 throws on purpose"),
             1u);
   EXPECT_EQ(count(r.err, "frame #"), 0u);

@@ -156,11 +156,19 @@ TEST(Launcher, CleanRunExitsZeroAndEveryRankSeesItsRank) {
   for (int pid : printed_pids(r.out)) EXPECT_TRUE(process_gone(pid));
 }
 
-TEST(Launcher, ThreadsAreCoresPerLocalRank) {
+// At most cores / local ranks each, fewer when other work keeps cores busy (the choice and its
+// line: tests/test_thread_choice.cpp, tests/test_launch_threads.cpp).
+TEST(Launcher, ThreadsAreAtMostCoresPerLocalRank) {
   ProcResult r = run_process({helper(), "--devices", "2"}, {{"FSDP_NUM_THREADS", ""}}, 120);
   ASSERT_EQ(r.exit_code, 0) << r.err;
-  int expected = std::max(1, fsdp::detail::available_cores() / 2);
-  EXPECT_EQ(count(r.out, "threads " + std::to_string(expected) + " "), 2u) << r.out;
+  std::regex re(" threads ([0-9]+) ");
+  std::set<int> counts;
+  for (auto it = std::sregex_iterator(r.out.begin(), r.out.end(), re);
+       it != std::sregex_iterator(); ++it)
+    counts.insert(std::stoi((*it)[1]));
+  ASSERT_EQ(counts.size(), 1u) << "both ranks run with one count\n" << r.out;
+  EXPECT_GE(*counts.begin(), 1);
+  EXPECT_LE(*counts.begin(), std::max(1, fsdp::detail::available_cores() / 2)) << r.out;
 }
 
 TEST(Launcher, RankThrows) {

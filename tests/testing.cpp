@@ -308,13 +308,13 @@ void run_mpi_parent(int world_size, const std::function<void(ProcessGroup&)>& bo
   std::string dir = make_result_dir();
   std::vector<std::string> argv = detail::mpirun_prefix(world_size);
   for (const auto& a : child_argv(test)) argv.push_back(a);
-  int threads = detail::threads_per_rank(world_size);
+  int threads = detail::launch_threads(world_size, /*announce=*/false);
   std::map<std::string, std::string> env = {
       {kEnvChild, "1"},
       {kEnvCall, std::to_string(call)},
       {kEnvResultDir, dir},
       {"OMP_NUM_THREADS", std::to_string(threads)},
-      {detail::kEnvNumThreads, std::to_string(threads)},
+      {detail::kEnvLaunchThreads, std::to_string(threads)},
       {kEnvTimeout, get_env(kEnvTimeout, kDefaultTestTimeoutS)},
   };
   if (world_size > detail::available_cores()) env["OMPI_MCA_mpi_yield_when_idle"] = "1";
@@ -344,7 +344,7 @@ void run_spawn_parent(int world_size, const std::string& backend,
                       const std::string& test) {
   std::string dir = make_result_dir();
   int port = detail::free_port();
-  int threads = detail::threads_per_rank(world_size);
+  int threads = detail::launch_threads(world_size, /*announce=*/false);
   std::string timeout = get_env(kEnvTimeout, kDefaultTestTimeoutS);
   std::map<std::string, std::string> common = {
       {"WORLD_SIZE", std::to_string(world_size)},
@@ -371,7 +371,7 @@ void run_spawn_parent(int world_size, const std::string& backend,
     env[kEnvCall] = std::to_string(call);
     env[kEnvResultDir] = dir;
     env["OMP_NUM_THREADS"] = std::to_string(threads);
-    env[detail::kEnvNumThreads] = std::to_string(threads);
+    env[detail::kEnvLaunchThreads] = std::to_string(threads);
     sup.spawn({r, child_argv(test), detail::make_env(env, kDropFromChildEnv)});
   }
   sup.start(/*exit_process_on_failure=*/false);

@@ -33,7 +33,9 @@ struct LaunchOptions {
 };
 
 // Makes sure this process is one of the requested ranks (spawning or adopting, see above),
-// sets the intra-op thread count, and returns this rank's info. Returns in every rank.
+// sets the intra-op thread count (from the cores other work leaves free, or FSDP_NUM_THREADS;
+// printed once per job, see docs/launching.md "Threads per rank"), and returns this rank's
+// info. Returns in every rank.
 LaunchInfo launch(const LaunchOptions& options);
 
 // What the environment says right now (no spawning).

@@ -12,7 +12,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
+#include <map>
+#include <mutex>
 #include <optional>
+#include <utility>
 #include <thread>
 
 #include "comm/launcher_detail.h"
@@ -169,11 +172,21 @@ void on_rank0_exit(int status, void*) {
   }
 }
 
-// Intra-op threads: cores / local ranks. libtorch 2.13 defaults to one thread per core, which
-// oversubscribes the cores as soon as two ranks share them (docs/design.md "Facts about
-// libtorch 2.13 on this machine": ~1000x slower matmuls under load).
-void set_threads(int local_ranks) {
-  at::set_num_threads(threads_per_rank(local_ranks));
+// Intra-op threads: the free cores shared by the local ranks (Note [Threads per rank] in
+// comm/thread_choice.cpp). libtorch 2.13 defaults to one thread per core, which oversubscribes
+// the cores as soon as two ranks, or a rank and other work, share them (docs/design.md "Facts
+// about libtorch 2.13 on this machine": ~1000x slower matmuls under load). `announce`: this
+// process says what it chose, when the choice is made here.
+// A process that launches more than once (a program that builds two Trainers) measures and
+// says its choice once: the first choice for the same ranks and FSDP_NUM_THREADS is kept.
+void set_threads(int local_ranks, bool announce) {
+  static std::mutex mutex;
+  static std::map<std::pair<int, int>, int> chosen;  // {local ranks, FSDP_NUM_THREADS or 0}
+  std::lock_guard<std::mutex> lock(mutex);
+  const std::pair<int, int> key{local_ranks, read_settings().num_threads.value_or(0)};
+  auto it = chosen.find(key);
+  if (it == chosen.end()) it = chosen.emplace(key, threads_per_rank(local_ranks, announce)).first;
+  at::set_num_threads(it->second);
 }
 
 }  // namespace
@@ -270,11 +283,11 @@ void check_options(const LaunchOptions& o) {
   std::vector<std::string> args = self_argv();
   argv.push_back(exe);
   argv.insert(argv.end(), args.begin() + 1, args.end());
-  int threads = threads_per_rank(devices);
+  int threads = launch_threads(devices, /*announce=*/true);
   // The variables mpirun's ranks inherit (mpirun is started from this process): see
   // docs/environment.md.
   ::setenv("OMP_NUM_THREADS", std::to_string(threads).c_str(), 1);
-  ::setenv(kEnvNumThreads, std::to_string(threads).c_str(), 1);
+  ::setenv(kEnvLaunchThreads, std::to_string(threads).c_str(), 1);
   ::setenv(kEnvLauncher, "mpirun", 1);
   if (devices > available_cores()) ::setenv("OMPI_MCA_mpi_yield_when_idle", "1", 1);
   // OpenMPI gives its children a pseudo-terminal for stdout even when ours is a pipe or file;
@@ -306,7 +319,8 @@ LaunchInfo launch(const LaunchOptions& options) {
                 "num_nodes=", options.num_nodes, " but the launcher (", info.source, ") started ",
                 info.world_size, " ranks, ", info.local_world_size, " per node = ", info.num_nodes,
                 " node(s); make them agree");
-    set_threads(info.local_world_size);
+    // Under an outside launcher each rank chooses for itself and rank 0 says what it chose.
+    set_threads(info.local_world_size, /*announce=*/info.rank == 0);
     install_failure_handlers();
     return info;
   }
@@ -320,7 +334,7 @@ LaunchInfo launch(const LaunchOptions& options) {
               "--master-port <port> -- <program> <args>`, or use `srun` (SLURM) or `mpirun`");
   int devices = std::max(1, options.devices);
   if (devices == 1) {
-    set_threads(1);
+    set_threads(1, /*announce=*/true);
     install_failure_handlers();
     return info;
   }
@@ -329,7 +343,8 @@ LaunchInfo launch(const LaunchOptions& options) {
   // Spawn devices-1 copies of this program; this process is rank 0.
   std::string addr = info.master_addr;  // MASTER_ADDR, else 127.0.0.1
   int port = info.master_port > 0 ? info.master_port : free_port();
-  int threads = threads_per_rank(devices);
+  // Measured before the other ranks start, so their start-up is not counted as load.
+  int threads = launch_threads(devices, /*announce=*/true);
   std::map<std::string, std::string> common = {
       {"WORLD_SIZE", std::to_string(devices)},
       {"LOCAL_WORLD_SIZE", std::to_string(devices)},
@@ -337,6 +352,7 @@ LaunchInfo launch(const LaunchOptions& options) {
       {"MASTER_PORT", std::to_string(port)},
       {"GROUP_RANK", "0"},
       {kEnvLauncher, "spawn"},
+      {kEnvLaunchThreads, std::to_string(threads)},
       // One job id for the ranks spawned here; see Note [Rendezvous handshake].
       {"FSDP_JOB_ID", !settings.job_id.empty() ? settings.job_id : random_job_id()},
   };
@@ -357,7 +373,6 @@ LaunchInfo launch(const LaunchOptions& options) {
     env["RANK"] = std::to_string(r);
     env["LOCAL_RANK"] = std::to_string(r);
     env["OMP_NUM_THREADS"] = std::to_string(threads);
-    env[kEnvNumThreads] = std::to_string(threads);
     sup->spawn({r, argv, make_env(env)});
   }
   auto pids = sup->pids();
@@ -369,7 +384,7 @@ LaunchInfo launch(const LaunchOptions& options) {
   sup->start(/*exit_process_on_failure=*/true);
 
   info = launch_info_from_env();
-  set_threads(devices);
+  set_threads(devices, /*announce=*/false);  // FSDP_LAUNCH_THREADS, set above
   install_failure_handlers();
   return info;
 }

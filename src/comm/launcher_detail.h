@@ -21,13 +21,20 @@ namespace fsdp::detail {
 constexpr const char* kEnvNotifyFd = "FSDP_LAUNCH_NOTIFY_FD";  // see Note [Failure notice]
 // "spawn" | "mpirun" (fsdp::launch) | "fsdp-run" | "test"
 constexpr const char* kEnvLauncher = "FSDP_LAUNCHER";
-constexpr const char* kEnvNumThreads = "FSDP_NUM_THREADS";
+// The intra-op threads per rank the launcher chose (Note [Threads per rank] in
+// comm/thread_choice.cpp); FSDP_NUM_THREADS stays the user's.
+constexpr const char* kEnvLaunchThreads = "FSDP_LAUNCH_THREADS";
 
 // CPUs this process may run on (sched_getaffinity; respects cpusets and taskset).
 int available_cores();
-// Intra-op threads for one of `local_ranks` ranks on this node: FSDP_NUM_THREADS when set,
-// else max(1, cores / local_ranks).
-int threads_per_rank(int local_ranks);
+// Intra-op threads per rank for a launcher about to start `local_ranks` ranks on this node (or a
+// process that is its job's only rank): FSDP_NUM_THREADS when set, else chosen from the load of
+// this moment (Note [Threads per rank] in comm/thread_choice.cpp; measuring takes ~150 ms).
+// `announce`: print the one line about the choice to stderr (when there is one to print).
+int launch_threads(int local_ranks, bool announce);
+// Intra-op threads for one of `local_ranks` ranks on this node: FSDP_NUM_THREADS when set, else
+// what the launcher that started this rank chose (FSDP_LAUNCH_THREADS), else launch_threads().
+int threads_per_rank(int local_ranks, bool announce = false);
 
 // A TCP port that was free a moment ago on 127.0.0.1 (bind to port 0, read it, close).
 int free_port();

@@ -1,6 +1,6 @@
 // Environment side of the launcher: what torchrun, SLURM, mpirun or our own spawner told this
 // process (launch_info_from_env, parsed with the other settings in src/common/settings.cpp),
-// thread counts, free ports, paths.
+// thread counts (measured here, chosen in comm/thread_choice.cpp), free ports, paths.
 #include <c10/util/Exception.h>
 #include <netinet/in.h>
 #include <sched.h>
@@ -10,30 +10,80 @@
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <iostream>
+#include <optional>
 #include <sstream>
 #include <thread>
 
 #include "comm/launcher_detail.h"
+#include "comm/thread_choice.h"
 
 namespace fsdp::detail {
 
-int available_cores() {
+namespace {
+
+// The CPUs this process may run on (sched_getaffinity); empty when unknown.
+std::vector<int> affinity_cpus() {
+  std::vector<int> cpus;
   cpu_set_t set;
   CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
-    int n = CPU_COUNT(&set);
-    if (n > 0) return n;
+  if (sched_getaffinity(0, sizeof(set), &set) != 0) return cpus;
+  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+    if (CPU_ISSET(cpu, &set)) cpus.push_back(cpu);
   }
-  unsigned n = std::thread::hardware_concurrency();
-  return n > 0 ? static_cast<int>(n) : 1;
+  return cpus;
 }
 
-int threads_per_rank(int local_ranks) {
-  if (auto n = read_settings().num_threads) return *n;  // FSDP_NUM_THREADS
-  return std::max(1, available_cores() / std::max(1, local_ranks));
+std::string read_proc_stat() {
+  std::ifstream in("/proc/stat");
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+// How many of this process's cores other work keeps busy: /proc/stat read twice, a short sleep
+// apart (the load average lags by a minute; this sees the load of the moment). See
+// Note [Threads per rank] in comm/thread_choice.cpp.
+std::optional<double> measure_busy_cores() {
+  constexpr auto kWindow = std::chrono::milliseconds(150);
+  const std::vector<int> cpus = affinity_cpus();
+  const auto before = parse_proc_stat(read_proc_stat());
+  std::this_thread::sleep_for(kWindow);
+  return busy_cores_between(before, parse_proc_stat(read_proc_stat()), cpus);
+}
+
+}  // namespace
+
+int available_cores() {
+  const size_t n = affinity_cpus().size();
+  if (n > 0) return static_cast<int>(n);
+  unsigned hw = std::thread::hardware_concurrency();
+  return hw > 0 ? static_cast<int>(hw) : 1;
+}
+
+int launch_threads(int local_ranks, bool announce) {
+  ThreadFacts facts;
+  facts.cores = available_cores();
+  facts.local_ranks = std::max(1, local_ranks);
+  facts.user_threads = read_settings().num_threads;  // FSDP_NUM_THREADS
+  if (!facts.user_threads) facts.busy_cores = measure_busy_cores();
+  const ThreadChoice choice = choose_threads(facts);
+  if (announce) {
+    const std::string line = describe(facts, choice);
+    if (!line.empty()) std::cerr << line << std::endl;
+  }
+  return choice.threads;
+}
+
+int threads_per_rank(int local_ranks, bool announce) {
+  const Settings settings = read_settings();
+  // Started by one of fsdp.cpp's launchers: it chose (FSDP_NUM_THREADS first) and said so.
+  if (settings.launch_threads && settings.launch.source != "none") {
+    return settings.num_threads.value_or(*settings.launch_threads);
+  }
+  return launch_threads(local_ranks, announce);
 }
 
 int free_port() {

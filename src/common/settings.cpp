@@ -49,7 +49,8 @@ const std::vector<std::string>& variables() {
     "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NNODES", "SLURM_JOB_NUM_NODES",
     "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NODEID", "SLURM_JOB_NODELIST",
     "SLURM_NODELIST", "SLURM_JOB_ID", "SLURM_STEP_ID",
-    "FSDP_JOB_ID", "FSDP_LAUNCHER", "FSDP_LAUNCH_NOTIFY_FD", "FSDP_NUM_THREADS", "PATH",
+    "FSDP_JOB_ID", "FSDP_LAUNCHER", "FSDP_LAUNCH_NOTIFY_FD", "FSDP_NUM_THREADS",
+    "FSDP_LAUNCH_THREADS", "PATH",
     // The user's.
     "FSDP_BACKEND", "FSDP_MEMORY_BUDGET", "FSDP_ALLOC_CACHE", "FSDP_STDOUT_IS_TERMINAL",
     "FSDP_COLLECTIVE_TIMEOUT_S", "FSDP_RENDEZVOUS_TIMEOUT_S", "FSDP_DEBUG", "FSDP_DEFERRED_INIT",
@@ -290,6 +291,10 @@ Settings parse_settings(const Environment& environment) {
   }
   if (auto n = env.integer("FSDP_NUM_THREADS", 1, 4096, "a positive thread count")) {
     s.num_threads = static_cast<int>(*n);
+  }
+  if (auto n = env.integer("FSDP_LAUNCH_THREADS", 1, 4096, "a positive thread count",
+                           "the launcher")) {
+    s.launch_threads = static_cast<int>(*n);
   }
   if (auto n = env.integer("OMPI_COMM_WORLD_SIZE", 1, int64_t{1} << 30, "a world size",
                            "mpirun (OpenMPI)")) {

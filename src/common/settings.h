@@ -32,8 +32,11 @@ struct Settings {
   std::string launched_by;
   // FSDP_LAUNCH_NOTIFY_FD: the failure-notice pipe of the launcher's watcher (-1: none).
   int notify_fd = -1;
-  // FSDP_NUM_THREADS: intra-op threads per rank (unset: cores / local ranks).
+  // FSDP_NUM_THREADS: the user's intra-op threads per rank (unset: chosen from the free cores).
   std::optional<int> num_threads;
+  // FSDP_LAUNCH_THREADS: the intra-op threads per rank the launcher chose for the ranks it
+  // started (Note [Threads per rank] in comm/thread_choice.cpp).
+  std::optional<int> launch_threads;
   // OMPI_COMM_WORLD_SIZE: set when mpirun started this process (whatever RANK says).
   std::optional<int> mpirun_world_size;
   // The job's id: FSDP_JOB_ID, else torchrun's TORCHELASTIC_RUN_ID (under torchrun, unless it
