@@ -18,31 +18,26 @@ at::Tensor Vocabulary::forward(const fsdp::nn::Inputs& inputs) {
   const at::Tensor x = detail::arg(inputs, 0);
   const at::Tensor target = detail::arg(inputs, 1);
   TORCH_CHECK(x.defined(), "[Vocabulary] forward needs token ids or hidden states");
-  if (shards_) return forward_on_shards(x, target);
   if (!x.is_floating_point()) {
     TORCH_CHECK(!target.defined(), "[Vocabulary] token ids take no target (targets go with "
                 "hidden states: forward({hidden, target}) is the loss)");
+    if (shards_) return sharded_embedding(x, shards_->param("weight"), *shards_);
     return at::embedding(weight, x);  // (..., dim)
   }
   TORCH_CHECK(x.size(-1) == dim(), "[Vocabulary] hidden states must end in dim ", dim(), ", got ",
               x.sizes());
+  if (shards_) return forward_on_shards(x, target);
   if (!target.defined()) return at::linear(x, weight, bias);  // (..., vocab)
   return linear_cross_entropy(x.reshape({-1, dim()}), weight, bias, target.reshape({-1}),
                               loss_policy);
 }
 
-// Note [Computing on shards] in src/nn/vocab_parallel.cpp.
+// The head's logits or loss with the matrix on its shards (Note [Computing on shards] in
+// src/nn/vocab_parallel.cpp).
 at::Tensor Vocabulary::forward_on_shards(const at::Tensor& x, const at::Tensor& target) {
   const ShardContext& ctx = *shards_;
   const ParamShard& w = ctx.param("weight");
   const ParamShard* b = ctx.has("bias") ? &ctx.param("bias") : nullptr;
-  if (!x.is_floating_point()) {
-    TORCH_CHECK(!target.defined(), "[Vocabulary] token ids take no target (targets go with "
-                "hidden states: forward({hidden, target}) is the loss)");
-    return sharded_embedding(x, w, ctx);
-  }
-  TORCH_CHECK(x.size(-1) == dim(), "[Vocabulary] hidden states must end in dim ", dim(), ", got ",
-              x.sizes());
   // A bias the strategy left whole on every rank (ZeRO-3 keeps small parameters replicated).
   const at::Tensor whole_bias = !b && bias.defined() ? bias : at::Tensor();
   if (!target.defined()) {  // all logits: the whole matrix is needed

@@ -1,7 +1,8 @@
 // Chunked linear + cross-entropy; see fsdp/linear_cross_entropy.h.
 #include "fsdp/linear_cross_entropy.h"
 
-#include <ATen/autocast_mode.h>
+#include "nn/loss_dtypes.h"
+
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -33,10 +34,9 @@ namespace {
 // Under FSDP the weight is the head unit's unsharded parameter: saved as a variable, its storage
 // is freed after forward and refilled by the unit's pre-backward before this backward runs, as
 // for any layer (src/shard/fsdp_state.cpp).
-// fp32 for 16-bit tensors (logits, loss and gradients are formed in fp32), else their own dtype.
-at::ScalarType accumulate_dtype(const at::Tensor& t) {
-  return t.element_size() < 4 ? at::kFloat : t.scalar_type();
-}
+// fp32 for 16-bit tensors (logits, loss and gradients are formed in fp32), else their own dtype:
+// detail::accumulate_dtype (nn/loss_dtypes.h).
+using detail::accumulate_dtype;
 
 struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropyFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& hidden,
@@ -61,9 +61,7 @@ struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropy
     ctx->save_for_backward({hidden, weight, bias_or_empty, target});
     // Under CPU autocast forward's logits came from the autocast dtype: backward recomputes them
     // in it too (the autograd engine does not necessarily run backward under autocast).
-    const bool autocast = at::autocast::is_autocast_enabled(at::kCPU);
-    ctx->saved_data["autocast_dtype"] = static_cast<int64_t>(
-        autocast ? at::autocast::get_autocast_dtype(at::kCPU) : at::ScalarType::Undefined);
+    ctx->saved_data["autocast_dtype"] = detail::cpu_autocast_dtype_code();
     ctx->saved_data["ignore_index"] = ignore_index;
     ctx->saved_data["chunk"] = chunk;
     ctx->saved_data["count"] = count;

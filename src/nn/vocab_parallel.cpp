@@ -1,7 +1,8 @@
 // Vocabulary parallelism on FSDP shards; see fsdp/sharded_compute.h.
 #include "fsdp/sharded_compute.h"
 
-#include <ATen/autocast_mode.h>
+#include "nn/loss_dtypes.h"
+
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -87,9 +88,20 @@ ProcessGroup& group_of(torch::autograd::AutogradContext* ctx) {
   return *static_cast<GroupRef*>(ctx->saved_data["group"].toCapsule().get())->group;
 }
 
-// fp32 for 16-bit tensors, else their own dtype (as fsdp::linear_cross_entropy).
-at::ScalarType accumulate_dtype(const at::Tensor& t) {
-  return t.element_size() < 4 ? at::kFloat : t.scalar_type();
+using detail::accumulate_dtype;  // nn/loss_dtypes.h, as fsdp::linear_cross_entropy
+
+// Which of `ids` fall in this rank's real rows [row_begin, row_begin + real_rows), and their row
+// in the shard (0 for the others, so they can index safely and be masked after).
+struct RowsInShard {
+  at::Tensor mine;  // bool
+  at::Tensor safe;  // int64
+};
+RowsInShard rows_in_shard(const at::Tensor& ids, int64_t row_begin, int64_t real_rows) {
+  const at::Tensor local = ids - row_begin;
+  RowsInShard r;
+  r.mine = local.ge(0).logical_and_(local.lt(real_rows));
+  r.safe = at::where(r.mine, local, at::zeros({}, local.options()));
+  return r;
 }
 
 // The number of rows each rank of `group` holds, all-gathered; the largest.
@@ -157,9 +169,7 @@ struct ShardedEmbeddingFunction : torch::autograd::Function<ShardedEmbeddingFunc
     const int64_t n = ids.size(0);
     const int64_t rows = largest_count(n, group);
     const at::Tensor all_ids = all_gather_rows(ids, rows, group, /*fill=*/-1);  // (W rows)
-    const at::Tensor local = all_ids - row_begin;
-    const at::Tensor mine = local.ge(0).logical_and_(local.lt(real_rows));
-    const at::Tensor safe = at::where(mine, local, at::zeros({}, local.options()));
+    const auto [mine, safe] = rows_in_shard(all_ids, row_begin, real_rows);
     const at::Tensor weight = in_compute_dtype(shard, compute_dtype);
     at::Tensor looked = weight.index_select(0, safe);  // (W rows, E)
     looked.masked_fill_(mine.logical_not().unsqueeze(1), 0);
@@ -220,9 +230,7 @@ struct ShardedLinearCrossEntropyFunction
     policy.chunk_tokens = chunk_policy;
     const int64_t chunk = chunk_tokens_for(policy, tokens, shard_rows, hidden.size(1));
 
-    const at::Tensor local = all_target - row_begin;
-    const at::Tensor mine = local.ge(0).logical_and_(local.lt(real_rows));  // target in my rows
-    const at::Tensor safe = at::where(mine, local, at::zeros({}, local.options()));
+    const auto [mine, safe] = rows_in_shard(all_target, row_begin, real_rows);  // target in my rows
     const auto acc = hidden.options().dtype(accumulate_dtype(hidden));
     at::Tensor max = at::full({tokens}, -std::numeric_limits<double>::infinity(), acc);
     at::Tensor sums = at::zeros({2, tokens}, acc);  // row 0: sum exp(logit - max); 1: target's
@@ -256,9 +264,7 @@ struct ShardedLinearCrossEntropyFunction
     at::Tensor loss = per_token.narrow(0, offset, n).sum() / static_cast<double>(count);
 
     ctx->save_for_backward({all_hidden, weight_shard, bias_shard, all_target, lse});
-    const bool autocast = at::autocast::is_autocast_enabled(at::kCPU);
-    ctx->saved_data["autocast_dtype"] = static_cast<int64_t>(
-        autocast ? at::autocast::get_autocast_dtype(at::kCPU) : at::ScalarType::Undefined);
+    ctx->saved_data["autocast_dtype"] = detail::cpu_autocast_dtype_code();
     ctx->saved_data["group"] = capsule_of(group_ptr);
     ctx->saved_data["rows"] = rows;
     ctx->saved_data["n"] = n;
@@ -305,9 +311,7 @@ struct ShardedLinearCrossEntropyFunction
     const at::Tensor token_scale = all_gather_rows(my_scale, 1, group)
                                        .repeat_interleave(rows)
                                        .masked_fill_(valid.logical_not(), 0);  // (T)
-    const at::Tensor local = all_target - row_begin;
-    const at::Tensor mine = local.ge(0).logical_and_(local.lt(real_rows));
-    const at::Tensor safe = at::where(mine, local, at::zeros({}, local.options()));
+    const auto [mine, safe] = rows_in_shard(all_target, row_begin, real_rows);
 
     const at::Tensor weight = in_compute_dtype(weight_shard, compute_dtype);
     const at::Tensor bias =
