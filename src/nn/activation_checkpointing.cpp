@@ -1,6 +1,7 @@
 #include "fsdp/activation_checkpointing.h"
 
 #include "nn/activation_partitioning.h"
+#include "nn/group_capsule.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/autocast_mode.h>
@@ -88,11 +89,6 @@ struct ModuleRef : torch::CustomClassHolder {
   fsdp::nn::Module* module = nullptr;
 };
 
-// The group a block's saved inputs are partitioned over (Note [Activation partitioning]).
-struct GroupRef : torch::CustomClassHolder {
-  std::shared_ptr<ProcessGroup> group;
-};
-
 // Note [Checkpoint function]
 // --------------------------
 // forward   runs module.forward(inputs) with grad disabled (Function::apply does that), so no
@@ -146,9 +142,8 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
       }
     }
     if (!parts.empty()) {
-      auto ref = c10::make_intrusive<GroupRef>();
-      ref->group = group;
-      ctx->saved_data["group"] = c10::IValue::make_capsule(std::move(ref));
+      // The group the saved inputs are partitioned over (Note [Activation partitioning]).
+      ctx->saved_data["group"] = detail::group_capsule(group);
       ctx->saved_data["parts"] = parts;
       ctx->saved_data["part_dims"] = part_dims;
       ctx->saved_data["part_sizes"] = part_sizes;
@@ -190,7 +185,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
       part_sizes = ctx->saved_data["part_sizes"].toIntVector();
       part_grad = ctx->saved_data["part_grad"].toIntVector();
       part_device = c10::Device(ctx->saved_data["part_device"].toStringRef());
-      group = static_cast<GroupRef*>(ctx->saved_data["group"].toCapsule().get())->group;
+      group = detail::group_in_capsule(ctx->saved_data["group"]);
     }
 
     fsdp::nn::Inputs detached(static_cast<size_t>(n));

@@ -1,6 +1,7 @@
 // Vocabulary parallelism on FSDP shards; see fsdp/sharded_compute.h.
 #include "fsdp/sharded_compute.h"
 
+#include "nn/group_capsule.h"
 #include "nn/loss_dtypes.h"
 
 #include <c10/util/Exception.h>
@@ -74,18 +75,8 @@ namespace {
 // local logits per token. CPU autocast is handled as in fsdp::linear_cross_entropy: backward
 // recomputes the logits in the dtype forward used.
 
-struct GroupRef : torch::CustomClassHolder {
-  ProcessGroupPtr group;
-};
-
-c10::IValue capsule_of(const ProcessGroupPtr& group) {
-  auto ref = c10::make_intrusive<GroupRef>();
-  ref->group = group;
-  return c10::IValue::make_capsule(std::move(ref));
-}
-
 ProcessGroup& group_of(torch::autograd::AutogradContext* ctx) {
-  return *static_cast<GroupRef*>(ctx->saved_data["group"].toCapsule().get())->group;
+  return *detail::group_in_capsule(ctx->saved_data["group"]);
 }
 
 using detail::accumulate_dtype;  // nn/loss_dtypes.h, as fsdp::linear_cross_entropy
@@ -176,7 +167,7 @@ struct ShardedEmbeddingFunction : torch::autograd::Function<ShardedEmbeddingFunc
     at::Tensor out = reduce_scatter_rows(looked, rows, n, group);
 
     ctx->save_for_backward({safe, mine});
-    ctx->saved_data["group"] = capsule_of(group_ptr);
+    ctx->saved_data["group"] = detail::group_capsule(group_ptr);
     ctx->saved_data["rows"] = rows;
     ctx->saved_data["n"] = n;
     ctx->saved_data["shard_rows"] = shard.size(0);
@@ -265,7 +256,7 @@ struct ShardedLinearCrossEntropyFunction
 
     ctx->save_for_backward({all_hidden, weight_shard, bias_shard, all_target, lse});
     ctx->saved_data["autocast_dtype"] = detail::cpu_autocast_dtype_code();
-    ctx->saved_data["group"] = capsule_of(group_ptr);
+    ctx->saved_data["group"] = detail::group_capsule(group_ptr);
     ctx->saved_data["rows"] = rows;
     ctx->saved_data["n"] = n;
     ctx->saved_data["count"] = count;
@@ -385,7 +376,7 @@ struct GatherParamFunction : torch::autograd::Function<GatherParamFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& shard,
                             const ProcessGroupPtr& group_ptr) {
     ProcessGroup& group = *group_ptr;
-    ctx->saved_data["group"] = capsule_of(group_ptr);
+    ctx->saved_data["group"] = detail::group_capsule(group_ptr);
     ctx->saved_data["shard_dtype"] = static_cast<int64_t>(shard.scalar_type());
     return all_gather_rows(shard, shard.size(0), group);
   }
