@@ -82,6 +82,7 @@ struct Args {
   int64_t save_steps = 500;
   int64_t save_total_limit = -1;
   bool gradient_checkpointing = true;
+  bool vocabulary_units = true;
   std::string optim = "paged_adamw_8bit";
   double max_grad_norm = 1.0;              // transformers' default
   std::string lr_scheduler_type = "linear";
@@ -241,25 +242,44 @@ class StepTokens {
   int64_t epoch_ = -1;
 };
 
+// The model configure_model builds, for the wrap policy made before it (llama_units).
+using BuiltModel = std::weak_ptr<fsdp::LlamaForCausalLM>;
+
+// Under FSDP: a unit per decoder layer, the embedding table and the untied head (torchtitan's
+// split; fsdp/llama.h). The head has no type of its own, so the policy asks the model once it
+// exists; before that (each layer as configure_model builds it) the types decide. Without
+// `vocabulary`: the layers only (the vocabulary in the root unit).
+fsdp::AutoWrapPolicy llama_units(std::shared_ptr<BuiltModel> built, bool vocabulary) {
+  if (!vocabulary) return fsdp::AutoWrapPolicy::of_types(fsdp::llama_layer_types());
+  return fsdp::AutoWrapPolicy::of_predicate([built](const torch::nn::Module& m, int64_t) {
+    if (auto model = built->lock()) return model->is_unit(m);
+    return fsdp::nn::is_instance_of(m, fsdp::llama_unit_types());
+  });
+}
+
 class Finetune : public fsdp::LightningModule {
  public:
   // `strategy_checkpoints`: the strategy applies activation checkpointing itself (FSDP's
   // activation_checkpointing_policy), so the model does not.
   // `step_tokens` (null: per-rank mean losses): Note [Token-weighted loss]; `loader` the
   // loader fit() reads (the Trainer gives it this rank's sampler).
+  // `built` receives the model once configure_model has built it (the wrap policy asks it).
   Finetune(const Args& a, int64_t total_steps, bool strategy_checkpoints,
-           std::shared_ptr<StepTokens> step_tokens, const fsdp::DataLoader* loader)
+           std::shared_ptr<StepTokens> step_tokens, const fsdp::DataLoader* loader,
+           std::shared_ptr<BuiltModel> built)
       : a_(a),
         total_steps_(total_steps),
         strategy_checkpoints_(strategy_checkpoints),
         step_tokens_(std::move(step_tokens)),
-        loader_(loader) {}
+        loader_(loader),
+        built_(std::move(built)) {}
 
   void configure_model() override {
     if (model) return;
     fsdp::HfLoadOptions o = load_options(a_);
     model = register_module("model", a_.preset.empty() ? fsdp::load_llama(a_.model_dir, o)
                                                         : fsdp::make_llama(model_config(a_), o));
+    if (built_) *built_ = model;
     // enable_input_require_grads: checkpointed layers back-propagate into their adapters even
     // though the frozen embedding's output needs no gradient. Under FSDP the strategy applies
     // checkpointing (FSDPOptions::activation_checkpointing_policy).
@@ -326,6 +346,7 @@ class Finetune : public fsdp::LightningModule {
   torch::optim::Optimizer* opt_ = nullptr;
   std::shared_ptr<StepTokens> step_tokens_;
   const fsdp::DataLoader* loader_;
+  std::shared_ptr<BuiltModel> built_;
 };
 
 // PEFT adapter checkpoints: OUTPUT_DIR/checkpoint-<step> every save_steps optimizer steps,
@@ -404,8 +425,8 @@ std::pair<int64_t, int64_t> logical_counts(const fsdp::LlamaConfig& c, const fsd
   return {c.parameter_count() + trainable, trainable};
 }
 
-// --dry-run: the recipe's one strategy (FSDP FULL_SHARD, one unit per decoder layer) with the
-// run's optimizer, on the meta device.
+// --dry-run: the recipe's one strategy (FSDP FULL_SHARD, a unit per decoder layer, the embedding
+// and the head) with the run's optimizer, on the meta device.
 int dry_run(const Args& a) {
   const fsdp::LlamaConfig config = model_config(a);
   const fsdp::HfLoadOptions o = load_options(a);
@@ -416,7 +437,7 @@ int dry_run(const Args& a) {
   }
   const int world = a.world();
   fsdp::FSDPOptions fo;
-  fo.auto_wrap_policy = fsdp::AutoWrapPolicy::of_types(fsdp::llama_layer_types());
+  fo.auto_wrap_policy = llama_units(std::make_shared<BuiltModel>(model), a.vocabulary_units);
   fsdp::app::PlanRow row = fsdp::app::plan_fsdp(*model, fo, world, a.common.trainer.devices);
   const auto [all, trainable] = logical_counts(config, *o.lora);
   int64_t base_bytes = 0, quantized_elems = 0;
@@ -435,7 +456,8 @@ int dry_run(const Args& a) {
   std::cout << "[fsdp-finetune] dry run: " << name << ", " << all << " parameters (" << trainable
             << " trainable LoRA, " << 100.0 * trainable / all << "%), 4-bit "
             << (a.load_in_4bit ? "on" : "off") << ", world " << world
-            << " (FSDP FULL_SHARD, one unit per decoder layer); nothing allocated" << std::endl;
+            << " (FSDP FULL_SHARD, a unit per decoder layer"
+            << (a.vocabulary_units ? ", the embedding and the head" : "") << "); nothing allocated" << std::endl;
   if (quantized_elems > 0) {
     std::printf("quantized base: %lld weights in %s = %.4f bytes/weight\n",
                 static_cast<long long>(quantized_elems), fsdp::format_bytes(base_bytes).c_str(),
@@ -445,7 +467,7 @@ int dry_run(const Args& a) {
   const int64_t rss = fsdp::peak_rss_bytes();
   std::cout << "params: base + LoRA; grads: LoRA only; Adam state: "
             << (a.optim == "adamw_torch" ? "AdamW" : "8-bit AdamW")
-            << "; units: the root and two decoder layers unsharded. Activations not included "
+            << "; units: the root and the two largest units unsharded. Activations not included "
                "(gradient checkpointing keeps one layer's input per layer). Peak RSS of this dry "
                "run: "
             << fsdp::format_bytes(rss) << std::endl;
@@ -504,9 +526,10 @@ int run(const Args& a, const fsdp::app::CommonFlags& flags) {
   auto data = load_data(a, config, &data_desc);  // fails once, before other ranks start
 
   fsdp::TrainerOptions t = a.common.trainer;
-  // Under FSDP: one unit per decoder layer, checkpointed by the strategy.
+  // Under FSDP: a unit per decoder layer (checkpointed by the strategy), the embedding and the head.
   fsdp::StrategyOptions so;
-  so.fsdp.auto_wrap_policy = fsdp::AutoWrapPolicy::of_types(fsdp::llama_layer_types());
+  auto built = std::make_shared<BuiltModel>();
+  so.fsdp.auto_wrap_policy = llama_units(built, a.vocabulary_units);
   if (a.gradient_checkpointing) so.fsdp.activation_checkpointing_policy = fsdp::llama_layer_types();
   t.strategy = flags.make_strategy(so);
   const int64_t world = a.world();
@@ -537,7 +560,7 @@ int run(const Args& a, const fsdp::app::CommonFlags& flags) {
                   a.average_tokens_across_devices
                       ? std::make_shared<StepTokens>(data, a.gradient_accumulation_steps)
                       : nullptr,
-                  &loader);
+                  &loader, built);
   const auto [all, trainable] = logical_counts(config, *lo.lora);
   std::ostringstream head;
   head << "[fsdp-finetune] " << name << ": "
@@ -688,6 +711,10 @@ int main(int argc, char** argv) {
   app.add_flag("--gradient-checkpointing,!--no-gradient-checkpointing", a.gradient_checkpointing,
                "recompute each decoder layer in backward")
       ->default_str(a.gradient_checkpointing ? "on" : "off");
+  app.add_flag("--vocabulary-units,!--no-vocabulary-units", a.vocabulary_units,
+               "under FSDP, the embedding table and the untied head are units of their own "
+               "(off: they stay in the root unit, unsharded through forward and backward)")
+      ->default_str(a.vocabulary_units ? "on" : "off");
   app.add_option("--optim", a.optim, "paged_adamw_8bit | adamw_8bit = adamw_bnb_8bit (bitsandbytes-exact "
                  "8-bit AdamW; paged = same on CPU) | adamw_torch")
       ->check(one_of({"paged_adamw_8bit", "adamw_8bit", "adamw_bnb_8bit", "adamw_torch"}));

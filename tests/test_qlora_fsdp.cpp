@@ -6,6 +6,9 @@
 // AdamW). Only adapters have gradients, reduce-scatters and optimizer state; the packed uint8
 // weights are sharded like any other tensor in units that mix dtypes. With 8-bit AdamW and
 // bf16 compute the runs agree within the quantization tolerance, and the loss falls.
+// With the vocabulary as units of their own (the embedding table and the untied head beside the
+// layers, LlamaForCausalLM::is_unit), QLoRA and full fine-tuning (every parameter trained, the
+// tied table used twice per forward) match the single-process runs too.
 #include "fsdp/activation_checkpointing.h"
 #include "fsdp/hf.h"
 #include "fsdp/llama.h"
@@ -21,6 +24,8 @@
 
 #include <gtest/gtest.h>
 #include <torch/optim/adamw.h>
+
+#include <set>
 
 namespace {
 
@@ -108,6 +113,37 @@ struct QLoraLM : fsdp::LightningModule {
   }
 };
 
+// The wrap policy with the vocabulary as units: `*model` is read when the strategy sets up
+// (configure_model has built it by then); before that the types decide.
+fsdp::AutoWrapPolicy vocabulary_units(const std::shared_ptr<fsdp::LlamaForCausalLM>* model) {
+  return fsdp::AutoWrapPolicy::of_predicate([model](const torch::nn::Module& m, int64_t) {
+    if (*model) return (*model)->is_unit(m);
+    return fsdp::nn::is_instance_of(m, fsdp::llama_unit_types());
+  });
+}
+
+// The names of the strategy's units other than the root, and the root's parameter count.
+std::pair<std::set<std::string>, int64_t> unit_layout(fsdp::FSDPStrategy& strategy) {
+  std::set<std::string> names;
+  int64_t root_numel = 0;
+  for (auto& unit : fsdp::detail::state_of(strategy).units()) {
+    if (!unit->is_root()) {
+      names.insert(unit->name());
+      continue;
+    }
+    for (const auto& p : unit->params()) root_numel += p->unsharded().numel();
+  }
+  return {names, root_numel};
+}
+
+// The units with the vocabulary as units (prefix: the model's FQN in the LightningModule).
+std::set<std::string> vocabulary_unit_names(int layers, bool tied) {
+  std::set<std::string> want = {"model.model.embed_tokens"};
+  for (int i = 0; i < layers; ++i) want.insert("model.model.layers." + std::to_string(i));
+  if (!tied) want.insert("model.lm_head");
+  return want;
+}
+
 // The adapters of the reference model by FQN.
 std::map<std::string, at::Tensor> reference_adapters(QLoraLM& ref) {
   std::map<std::string, at::Tensor> out;
@@ -117,7 +153,7 @@ std::map<std::string, at::Tensor> reference_adapters(QLoraLM& ref) {
 
 void check_parity(const std::string& dir, const std::string& adapter, int world_expected,
                   at::ScalarType compute, bool eight_bit,
-                  double tol) {
+                  double tol, bool vocab_units = false) {
   LoopConfig cfg;
   cfg.steps = 6;
   auto setup = [&](QLoraLM& m) {
@@ -134,18 +170,24 @@ void check_parity(const std::string& dir, const std::string& adapter, int world_
 
   auto world = fsdp::world_group();
   ASSERT_EQ(world->size(), world_expected);
+  QLoraLM lm;
+  setup(lm);
   fsdp::FSDPOptions o;
-  o.auto_wrap_policy = fsdp::AutoWrapPolicy::of_types(fsdp::llama_layer_types());
+  o.auto_wrap_policy = vocab_units ? vocabulary_units(&lm.model)
+                                   : fsdp::AutoWrapPolicy::of_types(fsdp::llama_layer_types());
   o.activation_checkpointing_policy = fsdp::llama_layer_types();
   fsdp::FSDPStrategy strategy(o);
   fsdp::LaunchInfo launch;
   launch.rank = world->rank();
   launch.world_size = launch.local_world_size = world->size();
   strategy.connect(world, launch);
-  QLoraLM lm;
-  setup(lm);
   auto got = fsdp::testing::train_with(strategy, lm, cfg);
   EXPECT_EQ(strategy.num_deferred_units(), 3);  // every layer sharded as it was read
+  if (vocab_units) {
+    const auto [names, root_numel] = unit_layout(strategy);
+    EXPECT_EQ(names, vocabulary_unit_names(3, /*tied=*/false));
+    EXPECT_EQ(root_numel, 64);  // the final norm alone
+  }
   fsdp::testing::expect_losses_close(got, want, tol);
   EXPECT_LT(got.back(), got.front());  // it learns
 
@@ -203,7 +245,7 @@ TEST(QLoraFsdp, MatchesSingleProcessWorld3Mpi) { parity(3, "mpi"); }
 // bf16_params: FSDP computes with bf16 unsharded parameters (MixedPrecisionPolicy), the shards
 // stay fp32; the merge works on the fp32 shards.
 void check_merge(const std::string& dir, const std::string& adapter, int world_expected,
-                 bool bf16_params = false) {
+                 bool bf16_params = false, bool vocab_units = false) {
   QLoraLM ref;
   ref.dir = dir;
   ref.adapter = adapter;
@@ -221,8 +263,12 @@ void check_merge(const std::string& dir, const std::string& adapter, int world_e
 
   auto world = fsdp::world_group();
   ASSERT_EQ(world->size(), world_expected);
+  QLoraLM lm;
+  lm.dir = dir;
+  lm.adapter = adapter;
   fsdp::FSDPOptions o;
-  o.auto_wrap_policy = fsdp::AutoWrapPolicy::of_types(fsdp::llama_layer_types());
+  o.auto_wrap_policy = vocab_units ? vocabulary_units(&lm.model)
+                                   : fsdp::AutoWrapPolicy::of_types(fsdp::llama_layer_types());
   if (bf16_params) {
     fsdp::MixedPrecisionPolicy mp;
     mp.param_dtype = at::kBFloat16;
@@ -230,11 +276,12 @@ void check_merge(const std::string& dir, const std::string& adapter, int world_e
   }
   auto owned = fsdp::testing::connect_to_world(std::make_shared<fsdp::FSDPStrategy>(o));
   fsdp::FSDPStrategy& strategy = *owned;
-  QLoraLM lm;
-  lm.dir = dir;
-  lm.adapter = adapter;
   fsdp::configure_model_with(strategy, lm);
   strategy.setup_module(lm);
+  if (vocab_units) {
+    const bool tied = lm.model->config().tie_word_embeddings;
+    EXPECT_EQ(unit_layout(strategy).first, vocabulary_unit_names(3, tied));
+  }
   try {
     fsdp::merge_lora(*lm.model);
     ADD_FAILURE() << "the single-process merge_lora accepted a sharded model";
@@ -299,6 +346,23 @@ TEST(QLoraFsdp, MergeShardedTiedHeadBf16ParamsWorld2) {
   });
 }
 
+// The head tied to the embeddings, the table a unit of its own (not the root's): the merge
+// goes into the table's shards.
+TEST(QLoraFsdp, MergeShardedTiedHeadVocabularyUnitsWorld3) {
+  const std::string dir = model_dir(/*tied=*/true), adapter = adapter_dir(dir);
+  fsdp::testing::run_ranks(3, "gloo", [&](fsdp::ProcessGroup&) {
+    check_merge(dir, adapter, 3, /*bf16_params=*/false, /*vocab_units=*/true);
+  });
+}
+
+// The embedding table and the head (with its adapter) as units of their own.
+TEST(QLoraFsdp, VocabularyUnitsMatchSingleProcessWorld3) {
+  const std::string dir = model_dir(), adapter = adapter_dir(dir);
+  fsdp::testing::run_ranks(3, "gloo", [&](fsdp::ProcessGroup&) {
+    check_parity(dir, adapter, 3, at::kFloat, /*eight_bit=*/false, 1e-5, /*vocab_units=*/true);
+  });
+}
+
 TEST(QLoraFsdp, EightBitAdamWBf16ComputeWorld2) {
   const std::string dir = model_dir(), adapter = adapter_dir(dir);
   fsdp::testing::run_ranks(2, "gloo", [&](fsdp::ProcessGroup&) {
@@ -308,6 +372,73 @@ TEST(QLoraFsdp, EightBitAdamWBf16ComputeWorld2) {
     // AdamW runs' 1.7e-7 and 7e-8).
     check_parity(dir, adapter, 2, at::kBFloat16, /*eight_bit=*/true, 2e-3);
   });
+}
+
+// Full fine-tuning of a random llama-tiny (every parameter trained, fp32, AdamW) with the
+// vocabulary as units: the embedding's and the head's gradients are reduce-scattered like a
+// layer's, and a tied table, called twice per forward, accumulates both uses' gradients before
+// its one reduce-scatter.
+struct LlamaLM : fsdp::LightningModule {
+  bool tied = false;
+  std::shared_ptr<fsdp::LlamaForCausalLM> model;
+
+  void configure_model() override {
+    if (model) return;
+    torch::manual_seed(321);  // every rank and the reference build the same model
+    fsdp::LlamaConfig c = fsdp::llama_preset("llama-tiny");
+    c.num_hidden_layers = 3;
+    c.tie_word_embeddings = tied;
+    model = register_module("model", std::make_shared<fsdp::LlamaForCausalLM>(c));
+  }
+  at::Tensor training_step(const fsdp::Batch& b, int64_t) override {
+    at::Tensor logits = (*model)(b.input);
+    return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), b.target.reshape({-1}));
+  }
+  fsdp::OptimizerConfig configure_optimizers() override {
+    // eps 1e-3: Adam divides by sqrt(v) + eps, so with the default 1e-8 a near-zero gradient
+    // summed in another order (per rank, then reduced) moves its parameter by up to the lr.
+    return {std::make_shared<torch::optim::AdamW>(parameters(), torch::optim::AdamWOptions(5e-3).eps(1e-3))};
+  }
+};
+
+void full_finetune_parity(int world_expected, bool tied) {
+  LoopConfig cfg;
+  cfg.steps = 5;
+  LlamaLM ref;
+  ref.tied = tied;
+  auto want = fsdp::testing::train_reference(ref, cfg);
+
+  LlamaLM lm;
+  lm.tied = tied;
+  fsdp::FSDPOptions o;
+  o.auto_wrap_policy = vocabulary_units(&lm.model);
+  auto owned = fsdp::testing::connect_to_world(std::make_shared<fsdp::FSDPStrategy>(o));
+  ASSERT_EQ(owned->world_size(), world_expected);
+  auto got = fsdp::testing::train_with(*owned, lm, cfg);
+  fsdp::testing::expect_losses_close(got, want, 1e-5);
+  EXPECT_LT(got.back(), got.front());  // it learns
+  fsdp::testing::expect_params_close(owned->gather_full_params(), ref, 1e-5);
+  const auto [names, root_numel] = unit_layout(*owned);
+  EXPECT_EQ(names, vocabulary_unit_names(3, tied));
+  EXPECT_EQ(root_numel, 64);  // the final norm alone
+  // This rank holds 1/world of the table (rows padded to a multiple of the world).
+  int64_t table_shard = -1;
+  for (auto& p : lm.named_parameters()) {
+    if (p.key() == "model.model.embed_tokens.weight") table_shard = p.value().numel();
+  }
+  EXPECT_EQ(table_shard, (256 + world_expected - 1) / world_expected * 64);
+}
+
+TEST(LlamaFsdp, FullFinetuneVocabularyUnitsUntiedWorld2) {
+  fsdp::testing::run_ranks(2, "gloo", [](fsdp::ProcessGroup&) { full_finetune_parity(2, false); });
+}
+
+TEST(LlamaFsdp, FullFinetuneVocabularyUnitsTiedWorld3) {
+  fsdp::testing::run_ranks(3, "gloo", [](fsdp::ProcessGroup&) { full_finetune_parity(3, true); });
+}
+
+TEST(LlamaFsdp, FullFinetuneVocabularyUnitsTiedWorld2Mpi) {
+  fsdp::testing::run_ranks(2, "mpi", [](fsdp::ProcessGroup&) { full_finetune_parity(2, true); });
 }
 
 }  // namespace

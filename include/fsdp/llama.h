@@ -15,7 +15,17 @@
 // Each decoder layer is passed through fsdp::nn::built() as soon as it is complete, so under
 // FSDP (FULL_SHARD / SHARD_GRAD_OP) it is sharded before the next one is constructed; the
 // `on_layer` hook of the constructor runs first (the HF loader reads, quantizes and adds LoRA
-// there). LlamaDecoderLayer is the FSDP unit and activation-checkpointing type (llama_layer_types).
+// there). LlamaDecoderLayer is the activation-checkpointing type (llama_layer_types). FSDP units:
+// each decoder layer, the embedding table and the untied head, torchtitan's split, so the
+// vocabulary matrices are sharded and gathered one at a time like a layer:
+//
+//   fsdp::FSDPOptions o;   // `model` is read when the strategy sets up, after configure_model
+//   o.auto_wrap_policy = fsdp::AutoWrapPolicy::of_predicate(
+//       [&model](const torch::nn::Module& m, int64_t) {
+//         return model ? model->is_unit(m) : fsdp::nn::is_instance_of(m, fsdp::llama_unit_types());
+//       });
+//
+// (of_types(llama_unit_types()) alone leaves the untied head in the root unit.)
 //
 // Semantics follow transformers 5.17 modeling_llama.py: RMSNorm computes in fp32 and multiplies
 // its weight after casting back (weight * x.to(input dtype)); RoPE inv_freq = 1/theta^(2i/d),
@@ -29,8 +39,6 @@
 
 #include "fsdp/linear.h"
 #include "fsdp/nn.h"
-
-#include <torch/nn/modules/embedding.h>
 
 #include <cstdint>
 #include <functional>
@@ -139,6 +147,18 @@ class LlamaDecoderLayer : public fsdp::nn::Module {
   int64_t layer_idx;
 };
 
+// model.embed_tokens: the (vocab, hidden) token table as a module with FSDP's call hooks, so a
+// wrap policy can make it a unit of its own (llama_unit_types). Its parameter is `weight`, as
+// torch.nn.Embedding's. forward({ids int64}) -> embeddings (..., hidden);
+// forward({x floating}) -> x W^T, the tied head's logits (x cast to the table's dtype first).
+// A tied model calls it twice per forward, so a unit gathers the table for each use.
+class LlamaEmbedding : public fsdp::nn::Module {
+ public:
+  LlamaEmbedding(int64_t vocab_size, int64_t hidden_size);
+  at::Tensor forward(const fsdp::nn::Inputs& inputs) override;
+  at::Tensor weight;  // (vocab, hidden)
+};
+
 // Called for each decoder layer after construction and before fsdp::nn::built(): load its
 // weights, quantize, add adapters. `prefix` is its FQN with a trailing dot
 // ("model.layers.3.").
@@ -155,7 +175,7 @@ class LlamaModel : public fsdp::nn::Module {
   // frozen table, so checkpointed layers above it back-propagate.
   at::Tensor embed(const at::Tensor& input_ids);
 
-  torch::nn::Embedding embed_tokens{nullptr};
+  std::shared_ptr<LlamaEmbedding> embed_tokens;
   std::vector<std::shared_ptr<LlamaDecoderLayer>> layers;
   std::shared_ptr<RMSNorm> norm;
   bool input_require_grads = false;
@@ -178,6 +198,10 @@ class LlamaForCausalLM : public fsdp::nn::Module, public LinearOwner {
   explicit LlamaForCausalLM(const LlamaConfig& config, const LlamaLayerHook& on_layer = {});
   at::Tensor forward(const fsdp::nn::Inputs& inputs) override;
   const LlamaConfig& config() const { return config_; }
+  // Whether FSDP should make `m` a unit of its own: a decoder layer, the embedding table, or the
+  // untied head as it is now (a Linear, a Linear4bit or the LoRA adapter around one, which no
+  // type names). A tied head holds no parameters (the embedding unit computes it): false.
+  bool is_unit(const torch::nn::Module& m) const;
 
   std::shared_ptr<LlamaModel> model;
   LinearPtr lm_head;
@@ -186,28 +210,34 @@ class LlamaForCausalLM : public fsdp::nn::Module, public LinearOwner {
   LlamaConfig config_;
 };
 
-// The lm head of a tied model: logits = x E^T for the embedding table E, which it reads from the
-// embedding module at every call (nothing registered here).
+// The lm head of a tied model: logits = x E^T for the embedding table E, computed by calling
+// the embedding module (through its hooks, so an FSDP unit gathers E for it; nothing registered
+// here).
 class TiedLinear : public LinearLayer {
  public:
-  explicit TiedLinear(torch::nn::Embedding embedding) : embedding_(std::move(embedding)) {}
+  explicit TiedLinear(std::shared_ptr<LlamaEmbedding> embedding) : embedding_(std::move(embedding)) {}
   at::Tensor forward(const fsdp::nn::Inputs& inputs) override;
   int64_t in_features() const override { return embedding_->weight.size(1); }
   int64_t out_features() const override { return embedding_->weight.size(0); }
   at::Tensor dense_weight(at::ScalarType dtype) const override;
   at::Tensor dense_bias() const override { return {}; }
   // The embedding module whose table is this head's weight (LoRA merges into it).
-  const torch::nn::Embedding& embedding() const { return embedding_; }
+  const std::shared_ptr<LlamaEmbedding>& embedding() const { return embedding_; }
 
  private:
-  torch::nn::Embedding embedding_;
+  std::shared_ptr<LlamaEmbedding> embedding_;
 };
 
 // transformers' ForCausalLMLoss: mean cross-entropy (in fp32) of logits[:, t] against
 // labels[:, t+1], ignoring label -100. logits (B, T, V), labels (B, T) int64.
 at::Tensor causal_lm_loss(const at::Tensor& logits, const at::Tensor& labels);
 
-// {LlamaDecoderLayer}: FSDP units and activation checkpointing.
+// {LlamaDecoderLayer}: the activation-checkpointing type, and FSDP units that leave the
+// vocabulary in the root unit.
 fsdp::nn::ModuleTypes llama_layer_types();
+// {LlamaDecoderLayer, LlamaEmbedding}: FSDP units by type, the embedding table one of its own
+// (torchtitan's tok_embeddings unit). The untied head has no type of its own: a policy that
+// makes it a unit too asks LlamaForCausalLM::is_unit (AutoWrapPolicy::of_predicate).
+fsdp::nn::ModuleTypes llama_unit_types();
 
 }  // namespace fsdp

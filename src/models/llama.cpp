@@ -144,9 +144,24 @@ at::Tensor LlamaDecoderLayer::forward(const fsdp::nn::Inputs& inputs) {
 
 // --- model ---------------------------------------------------------------------------------------
 
+LlamaEmbedding::LlamaEmbedding(int64_t vocab_size, int64_t hidden_size)
+    : fsdp::nn::Module("LlamaEmbedding") {
+  weight = register_parameter("weight", at::empty({vocab_size, hidden_size}));
+}
+
+at::Tensor LlamaEmbedding::forward(const fsdp::nn::Inputs& inputs) {
+  const at::Tensor& x = demos::detail::arg(inputs, 0);
+  TORCH_CHECK(x.defined(), "[LlamaEmbedding] forward needs token ids or hidden states");
+  if (!x.is_floating_point()) return at::embedding(weight, x);  // (..., hidden)
+  // The tied head. As Linear: an input of another floating dtype (fp32 after fp32 norms, a bf16
+  // table under KbitUpcast::kNorms) is cast to the table's.
+  if (x.scalar_type() != weight.scalar_type()) return at::linear(x.to(weight.scalar_type()), weight);
+  return at::linear(x, weight);  // (..., vocab)
+}
+
 LlamaModel::LlamaModel(const LlamaConfig& c, const LlamaLayerHook& on_layer) : config_(c) {
   c.validate();
-  embed_tokens = register_module("embed_tokens", torch::nn::Embedding(c.vocab_size, c.hidden_size));
+  embed_tokens = register_module("embed_tokens", std::make_shared<LlamaEmbedding>(c.vocab_size, c.hidden_size));
   torch::nn::init::normal_(embed_tokens->weight, 0.0, c.initializer_range);
   if (c.pad_token_id >= 0 && c.pad_token_id < c.vocab_size) {
     at::NoGradGuard no_grad;
@@ -164,7 +179,7 @@ LlamaModel::LlamaModel(const LlamaConfig& c, const LlamaLayerHook& on_layer) : c
 }
 
 at::Tensor LlamaModel::embed(const at::Tensor& input_ids) {
-  at::Tensor h = embed_tokens(input_ids);
+  at::Tensor h = (*embed_tokens)(input_ids);
   if (input_require_grads && at::GradMode::is_enabled() && !h.requires_grad()) {
     h.requires_grad_(true);
   }
@@ -227,13 +242,9 @@ at::Tensor LlamaForCausalLM::forward(const fsdp::nn::Inputs& inputs) {
 
 at::Tensor TiedLinear::forward(const fsdp::nn::Inputs& inputs) {
   const at::Tensor& x = demos::detail::arg(inputs, 0);
-  const at::Tensor& table = embedding_->weight;
-  // As Linear: an input of another floating dtype (fp32 after fp32 norms, a bf16 table under
-  // KbitUpcast::kNorms) is cast to the table's.
-  if (x.is_floating_point() && x.scalar_type() != table.scalar_type()) {
-    return at::linear(x.to(table.scalar_type()), table);
-  }
-  return at::linear(x, table);
+  TORCH_CHECK(x.defined() && x.is_floating_point(), "[TiedLinear] the head takes hidden states "
+              "(a floating tensor)");
+  return (*embedding_)(x);  // x E^T inside the embedding's call (gathered there under FSDP)
 }
 
 at::Tensor TiedLinear::dense_weight(at::ScalarType dtype) const {
@@ -252,6 +263,15 @@ at::Tensor causal_lm_loss(const at::Tensor& logits, const at::Tensor& labels) {
                                 at::Reduction::Mean, /*ignore_index=*/-100);
 }
 
+bool LlamaForCausalLM::is_unit(const torch::nn::Module& m) const {
+  if (fsdp::nn::is_instance_of(m, llama_unit_types())) return true;
+  return !config_.tie_word_embeddings && lm_head && &m == lm_head.get();
+}
+
 fsdp::nn::ModuleTypes llama_layer_types() { return fsdp::nn::module_types<LlamaDecoderLayer>(); }
+
+fsdp::nn::ModuleTypes llama_unit_types() {
+  return fsdp::nn::module_types<LlamaDecoderLayer, LlamaEmbedding>();
+}
 
 }  // namespace fsdp
