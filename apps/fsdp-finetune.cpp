@@ -245,10 +245,10 @@ class StepTokens {
 // The model configure_model builds, for the wrap policy made before it (llama_units).
 using BuiltModel = std::weak_ptr<fsdp::LlamaForCausalLM>;
 
-// Under FSDP: a unit per decoder layer, the embedding table and the untied head (torchtitan's
-// split; fsdp/llama.h). The head has no type of its own, so the policy asks the model once it
-// exists; before that (each layer as configure_model builds it) the types decide. Without
-// `vocabulary`: the layers only (the vocabulary in the root unit).
+// Under FSDP: a unit per decoder layer and, untied, the embedding table and the head
+// (torchtitan's split; LlamaForCausalLM::is_unit). The head has no type of its own, so the
+// policy asks the model once it exists; before that (each layer as configure_model builds it)
+// the types decide. Without `vocabulary`: the layers only (the vocabulary in the root unit).
 fsdp::AutoWrapPolicy llama_units(std::shared_ptr<BuiltModel> built, bool vocabulary) {
   if (!vocabulary) return fsdp::AutoWrapPolicy::of_types(fsdp::llama_layer_types());
   return fsdp::AutoWrapPolicy::of_predicate([built](const torch::nn::Module& m, int64_t) {
@@ -425,8 +425,8 @@ std::pair<int64_t, int64_t> logical_counts(const fsdp::LlamaConfig& c, const fsd
   return {c.parameter_count() + trainable, trainable};
 }
 
-// --dry-run: the recipe's one strategy (FSDP FULL_SHARD, a unit per decoder layer, the embedding
-// and the head) with the run's optimizer, on the meta device.
+// --dry-run: the recipe's one strategy (FSDP FULL_SHARD, a unit per decoder layer and, untied,
+// the embedding and the head) with the run's optimizer, on the meta device.
 int dry_run(const Args& a) {
   const fsdp::LlamaConfig config = model_config(a);
   const fsdp::HfLoadOptions o = load_options(a);
@@ -457,7 +457,8 @@ int dry_run(const Args& a) {
             << " trainable LoRA, " << 100.0 * trainable / all << "%), 4-bit "
             << (a.load_in_4bit ? "on" : "off") << ", world " << world
             << " (FSDP FULL_SHARD, a unit per decoder layer"
-            << (a.vocabulary_units ? ", the embedding and the head" : "") << "); nothing allocated" << std::endl;
+            << (a.vocabulary_units && !config.tie_word_embeddings ? ", the embedding and the head" : "")
+            << "); nothing allocated" << std::endl;
   if (quantized_elems > 0) {
     std::printf("quantized base: %lld weights in %s = %.4f bytes/weight\n",
                 static_cast<long long>(quantized_elems), fsdp::format_bytes(base_bytes).c_str(),
@@ -526,7 +527,8 @@ int run(const Args& a, const fsdp::app::CommonFlags& flags) {
   auto data = load_data(a, config, &data_desc);  // fails once, before other ranks start
 
   fsdp::TrainerOptions t = a.common.trainer;
-  // Under FSDP: a unit per decoder layer (checkpointed by the strategy), the embedding and the head.
+  // Under FSDP: a unit per decoder layer (checkpointed by the strategy), the embedding and the
+  // head when untied.
   fsdp::StrategyOptions so;
   auto built = std::make_shared<BuiltModel>();
   so.fsdp.auto_wrap_policy = llama_units(built, a.vocabulary_units);
@@ -712,8 +714,8 @@ int main(int argc, char** argv) {
                "recompute each decoder layer in backward")
       ->default_str(a.gradient_checkpointing ? "on" : "off");
   app.add_flag("--vocabulary-units,!--no-vocabulary-units", a.vocabulary_units,
-               "under FSDP, the embedding table and the untied head are units of their own "
-               "(off: they stay in the root unit, unsharded through forward and backward)")
+               "under FSDP, an untied model's embedding table and head are units of their own "
+               "(off, and for a tied table: the root unit, unsharded through forward and backward)")
       ->default_str(a.vocabulary_units ? "on" : "off");
   app.add_option("--optim", a.optim, "paged_adamw_8bit | adamw_8bit = adamw_bnb_8bit (bitsandbytes-exact "
                  "8-bit AdamW; paged = same on CPU) | adamw_torch")

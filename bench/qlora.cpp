@@ -3,17 +3,14 @@
 //
 //   fsdp-bench qlora [--preset llama-1b] [--world 2] [--steps 4] [--seq 128] [--batch 1]
 //
-// Every run goes through build/bin/fsdp-finetune --preset (random weights of the layout, random
-// token sequences; no files), FSDP FULL_SHARD at --world ranks, a unit per decoder layer, the
-// embedding and the head, gradient checkpointing, LoRA r 8 on q/k/v/o/gate/up/down,
-// paged_adamw_8bit:
+// Both runs go through build/bin/fsdp-finetune --preset (random weights of the layout, random
+// token sequences; no files), FSDP FULL_SHARD at --world ranks, one unit per decoder layer,
+// gradient checkpointing, LoRA r 8 on q/k/v/o/gate/up/down, paged_adamw_8bit:
 //   qlora            NF4 + double quantization base (bf16 compute), non-quantized parameters
 //                    fp32 (prepare_model_for_kbit_training, --kbit-upcast all)
 //   qlora_bf16_rest  the same with --kbit-upcast none --base-dtype bfloat16: embeddings, norms
 //                    and head stay bf16
 //   lora_bf16        the same base kept dense in bf16 (frozen), fp32 adapters
-//   qlora_vocab_in_root  qlora with --no-vocabulary-units: the embedding and the head in the
-//                    root unit instead of units of their own (the baseline of that split)
 // Reported per run: it/s (first step excluded), peak tensor bytes and peak RSS per rank during
 // training and during setup, and the training peak by memory category (peak_breakdown_mb,
 // Note [Memory categories] in fsdp/memory.h); ratios qlora / lora_bf16 and qlora_bf16_rest /
@@ -110,9 +107,6 @@ int run_qlora(const std::vector<std::string>& args) {
                              with({"--load-in-4bit", "--bnb-4bit-compute-dtype", "bfloat16",
                                    "--kbit-upcast", "none", "--base-dtype", "bfloat16"}));
   json lora = finetune(o, "lora_bf16", with({"--no-load-in-4bit", "--base-dtype", "bfloat16"}));
-  json qlora_root = finetune(o, "qlora_vocab_in_root",
-                             with({"--load-in-4bit", "--bnb-4bit-compute-dtype", "bfloat16",
-                                   "--no-vocabulary-units"}));
   json plan = finetune(o, "dry_run_llama3_8b",
                        {"--preset", "llama3-8b", "--devices", std::to_string(o.world), "--dry-run",
                         "--lora-target-modules", "q_proj,k_proj,v_proj,o_proj,lm_head"});
@@ -125,7 +119,6 @@ int run_qlora(const std::vector<std::string>& args) {
               {"seq", o.seq}, {"batch_per_rank", o.batch},
               {"load_avg_1m_before", load_before[0]}, {"load_avg_1m_after", load_after[0]},
               {"qlora", qlora}, {"qlora_bf16_rest", qlora_bf16}, {"lora_bf16", lora},
-              {"qlora_vocab_in_root", qlora_root},
               {"dry_run_llama3_8b", plan}};
   if (plan_small.contains("quantized_weights")) {
     out["bytes_per_quantized_weight"] =
@@ -142,12 +135,6 @@ int run_qlora(const std::vector<std::string>& args) {
         qlora_bf16["it_per_s"].get<double>() / lora["it_per_s"].get<double>();
     out["peak_alloc_ratio_qlora_bf16_rest_over_lora_bf16"] =
         max_of(qlora_bf16["peak_alloc_mb"]) / max_of(lora["peak_alloc_mb"]);
-  }
-  if (qlora.contains("it_per_s") && qlora_root.contains("it_per_s")) {
-    out["it_per_s_ratio_qlora_over_qlora_vocab_in_root"] =
-        qlora["it_per_s"].get<double>() / qlora_root["it_per_s"].get<double>();
-    out["peak_alloc_ratio_qlora_over_qlora_vocab_in_root"] =
-        max_of(qlora["peak_alloc_mb"]) / max_of(qlora_root["peak_alloc_mb"]);
   }
   std::cout << out.dump(2) << std::endl;
   return 0;

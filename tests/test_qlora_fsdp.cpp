@@ -6,9 +6,9 @@
 // AdamW). Only adapters have gradients, reduce-scatters and optimizer state; the packed uint8
 // weights are sharded like any other tensor in units that mix dtypes. With 8-bit AdamW and
 // bf16 compute the runs agree within the quantization tolerance, and the loss falls.
-// With the vocabulary as units of their own (the embedding table and the untied head beside the
-// layers, LlamaForCausalLM::is_unit), QLoRA and full fine-tuning (every parameter trained, the
-// tied table used twice per forward) match the single-process runs too.
+// With the vocabulary as units of their own (an untied model's embedding table and head beside
+// the layers, LlamaForCausalLM::is_unit; or a tied table as a unit, used twice per forward),
+// QLoRA and full fine-tuning (every parameter trained) match the single-process runs too.
 #include "fsdp/activation_checkpointing.h"
 #include "fsdp/hf.h"
 #include "fsdp/llama.h"
@@ -113,9 +113,22 @@ struct QLoraLM : fsdp::LightningModule {
   }
 };
 
-// The wrap policy with the vocabulary as units: `*model` is read when the strategy sets up
-// (configure_model has built it by then); before that the types decide.
-fsdp::AutoWrapPolicy vocabulary_units(const std::shared_ptr<fsdp::LlamaForCausalLM>* model) {
+// Which modules become units:
+//   kLayers     the decoder layers (of_types(llama_layer_types()): the vocabulary in the root);
+//   kIsUnit     LlamaForCausalLM::is_unit: the layers and, untied, the table and the head
+//               (`*model` is read when the strategy sets up; before that the types decide);
+//   kUnitTypes  of_types(llama_unit_types()): the layers and the table, tied or not.
+enum class Units { kLayers, kIsUnit, kUnitTypes };
+
+fsdp::AutoWrapPolicy wrap_policy(Units units, const std::shared_ptr<fsdp::LlamaForCausalLM>* model) {
+  switch (units) {
+    case Units::kLayers:
+      return fsdp::AutoWrapPolicy::of_types(fsdp::llama_layer_types());
+    case Units::kUnitTypes:
+      return fsdp::AutoWrapPolicy::of_types(fsdp::llama_unit_types());
+    case Units::kIsUnit:
+      break;
+  }
   return fsdp::AutoWrapPolicy::of_predicate([model](const torch::nn::Module& m, int64_t) {
     if (*model) return (*model)->is_unit(m);
     return fsdp::nn::is_instance_of(m, fsdp::llama_unit_types());
@@ -136,11 +149,14 @@ std::pair<std::set<std::string>, int64_t> unit_layout(fsdp::FSDPStrategy& strate
   return {names, root_numel};
 }
 
-// The units with the vocabulary as units (prefix: the model's FQN in the LightningModule).
-std::set<std::string> vocabulary_unit_names(int layers, bool tied) {
-  std::set<std::string> want = {"model.model.embed_tokens"};
+// The units other than the root (FQNs in the LightningModule) a policy should give.
+std::set<std::string> unit_names(Units units, int layers, bool tied) {
+  std::set<std::string> want;
   for (int i = 0; i < layers; ++i) want.insert("model.model.layers." + std::to_string(i));
-  if (!tied) want.insert("model.lm_head");
+  if (units == Units::kUnitTypes || (units == Units::kIsUnit && !tied)) {
+    want.insert("model.model.embed_tokens");
+  }
+  if (units == Units::kIsUnit && !tied) want.insert("model.lm_head");
   return want;
 }
 
@@ -153,7 +169,7 @@ std::map<std::string, at::Tensor> reference_adapters(QLoraLM& ref) {
 
 void check_parity(const std::string& dir, const std::string& adapter, int world_expected,
                   at::ScalarType compute, bool eight_bit,
-                  double tol, bool vocab_units = false) {
+                  double tol, Units units = Units::kLayers) {
   LoopConfig cfg;
   cfg.steps = 6;
   auto setup = [&](QLoraLM& m) {
@@ -173,8 +189,7 @@ void check_parity(const std::string& dir, const std::string& adapter, int world_
   QLoraLM lm;
   setup(lm);
   fsdp::FSDPOptions o;
-  o.auto_wrap_policy = vocab_units ? vocabulary_units(&lm.model)
-                                   : fsdp::AutoWrapPolicy::of_types(fsdp::llama_layer_types());
+  o.auto_wrap_policy = wrap_policy(units, &lm.model);
   o.activation_checkpointing_policy = fsdp::llama_layer_types();
   fsdp::FSDPStrategy strategy(o);
   fsdp::LaunchInfo launch;
@@ -183,11 +198,9 @@ void check_parity(const std::string& dir, const std::string& adapter, int world_
   strategy.connect(world, launch);
   auto got = fsdp::testing::train_with(strategy, lm, cfg);
   EXPECT_EQ(strategy.num_deferred_units(), 3);  // every layer sharded as it was read
-  if (vocab_units) {
-    const auto [names, root_numel] = unit_layout(strategy);
-    EXPECT_EQ(names, vocabulary_unit_names(3, /*tied=*/false));
-    EXPECT_EQ(root_numel, 64);  // the final norm alone
-  }
+  const auto [names, root_numel] = unit_layout(strategy);
+  EXPECT_EQ(names, unit_names(units, 3, /*tied=*/false));
+  if (units == Units::kIsUnit) EXPECT_EQ(root_numel, 64);  // the final norm alone
   fsdp::testing::expect_losses_close(got, want, tol);
   EXPECT_LT(got.back(), got.front());  // it learns
 
@@ -245,7 +258,7 @@ TEST(QLoraFsdp, MatchesSingleProcessWorld3Mpi) { parity(3, "mpi"); }
 // bf16_params: FSDP computes with bf16 unsharded parameters (MixedPrecisionPolicy), the shards
 // stay fp32; the merge works on the fp32 shards.
 void check_merge(const std::string& dir, const std::string& adapter, int world_expected,
-                 bool bf16_params = false, bool vocab_units = false) {
+                 bool bf16_params = false, Units units = Units::kLayers) {
   QLoraLM ref;
   ref.dir = dir;
   ref.adapter = adapter;
@@ -267,8 +280,7 @@ void check_merge(const std::string& dir, const std::string& adapter, int world_e
   lm.dir = dir;
   lm.adapter = adapter;
   fsdp::FSDPOptions o;
-  o.auto_wrap_policy = vocab_units ? vocabulary_units(&lm.model)
-                                   : fsdp::AutoWrapPolicy::of_types(fsdp::llama_layer_types());
+  o.auto_wrap_policy = wrap_policy(units, &lm.model);
   if (bf16_params) {
     fsdp::MixedPrecisionPolicy mp;
     mp.param_dtype = at::kBFloat16;
@@ -278,10 +290,8 @@ void check_merge(const std::string& dir, const std::string& adapter, int world_e
   fsdp::FSDPStrategy& strategy = *owned;
   fsdp::configure_model_with(strategy, lm);
   strategy.setup_module(lm);
-  if (vocab_units) {
-    const bool tied = lm.model->config().tie_word_embeddings;
-    EXPECT_EQ(unit_layout(strategy).first, vocabulary_unit_names(3, tied));
-  }
+  EXPECT_EQ(unit_layout(strategy).first,
+            unit_names(units, 3, lm.model->config().tie_word_embeddings));
   try {
     fsdp::merge_lora(*lm.model);
     ADD_FAILURE() << "the single-process merge_lora accepted a sharded model";
@@ -346,20 +356,20 @@ TEST(QLoraFsdp, MergeShardedTiedHeadBf16ParamsWorld2) {
   });
 }
 
-// The head tied to the embeddings, the table a unit of its own (not the root's): the merge
-// goes into the table's shards.
-TEST(QLoraFsdp, MergeShardedTiedHeadVocabularyUnitsWorld3) {
+// The head tied to the embeddings, the table a unit of its own (of_types(llama_unit_types()),
+// not the root's): the merge goes into the table's shards.
+TEST(QLoraFsdp, MergeShardedTiedHeadTableAsUnitWorld3) {
   const std::string dir = model_dir(/*tied=*/true), adapter = adapter_dir(dir);
   fsdp::testing::run_ranks(3, "gloo", [&](fsdp::ProcessGroup&) {
-    check_merge(dir, adapter, 3, /*bf16_params=*/false, /*vocab_units=*/true);
+    check_merge(dir, adapter, 3, /*bf16_params=*/false, Units::kUnitTypes);
   });
 }
 
-// The embedding table and the head (with its adapter) as units of their own.
+// The embedding table and the head (with its adapter) as units of their own (is_unit).
 TEST(QLoraFsdp, VocabularyUnitsMatchSingleProcessWorld3) {
   const std::string dir = model_dir(), adapter = adapter_dir(dir);
   fsdp::testing::run_ranks(3, "gloo", [&](fsdp::ProcessGroup&) {
-    check_parity(dir, adapter, 3, at::kFloat, /*eight_bit=*/false, 1e-5, /*vocab_units=*/true);
+    check_parity(dir, adapter, 3, at::kFloat, /*eight_bit=*/false, 1e-5, Units::kIsUnit);
   });
 }
 
@@ -401,7 +411,7 @@ struct LlamaLM : fsdp::LightningModule {
   }
 };
 
-void full_finetune_parity(int world_expected, bool tied) {
+void full_finetune_parity(int world_expected, bool tied, Units units) {
   LoopConfig cfg;
   cfg.steps = 5;
   LlamaLM ref;
@@ -411,7 +421,7 @@ void full_finetune_parity(int world_expected, bool tied) {
   LlamaLM lm;
   lm.tied = tied;
   fsdp::FSDPOptions o;
-  o.auto_wrap_policy = vocabulary_units(&lm.model);
+  o.auto_wrap_policy = wrap_policy(units, &lm.model);
   auto owned = fsdp::testing::connect_to_world(std::make_shared<fsdp::FSDPStrategy>(o));
   ASSERT_EQ(owned->world_size(), world_expected);
   auto got = fsdp::testing::train_with(*owned, lm, cfg);
@@ -419,8 +429,9 @@ void full_finetune_parity(int world_expected, bool tied) {
   EXPECT_LT(got.back(), got.front());  // it learns
   fsdp::testing::expect_params_close(owned->gather_full_params(), ref, 1e-5);
   const auto [names, root_numel] = unit_layout(*owned);
-  EXPECT_EQ(names, vocabulary_unit_names(3, tied));
-  EXPECT_EQ(root_numel, 64);  // the final norm alone
+  EXPECT_EQ(names, unit_names(units, 3, tied));
+  // The final norm alone, or beside the tied table.
+  EXPECT_EQ(root_numel, tied && units == Units::kIsUnit ? 64 + 256 * 64 : 64);
   // This rank holds 1/world of the table (rows padded to a multiple of the world).
   int64_t table_shard = -1;
   for (auto& p : lm.named_parameters()) {
@@ -430,15 +441,36 @@ void full_finetune_parity(int world_expected, bool tied) {
 }
 
 TEST(LlamaFsdp, FullFinetuneVocabularyUnitsUntiedWorld2) {
-  fsdp::testing::run_ranks(2, "gloo", [](fsdp::ProcessGroup&) { full_finetune_parity(2, false); });
+  fsdp::testing::run_ranks(2, "gloo", [](fsdp::ProcessGroup&) {
+    full_finetune_parity(2, /*tied=*/false, Units::kIsUnit);
+  });
 }
 
-TEST(LlamaFsdp, FullFinetuneVocabularyUnitsTiedWorld3) {
-  fsdp::testing::run_ranks(3, "gloo", [](fsdp::ProcessGroup&) { full_finetune_parity(3, true); });
+TEST(LlamaFsdp, FullFinetuneVocabularyUnitsUntiedWorld3Mpi) {
+  fsdp::testing::run_ranks(3, "mpi", [](fsdp::ProcessGroup&) {
+    full_finetune_parity(3, /*tied=*/false, Units::kIsUnit);
+  });
 }
 
-TEST(LlamaFsdp, FullFinetuneVocabularyUnitsTiedWorld2Mpi) {
-  fsdp::testing::run_ranks(2, "mpi", [](fsdp::ProcessGroup&) { full_finetune_parity(2, true); });
+// is_unit leaves a tied table in the root unit (Note [A tied table stays in the root]).
+TEST(LlamaFsdp, FullFinetuneTiedTableInTheRootWorld2) {
+  fsdp::testing::run_ranks(2, "gloo", [](fsdp::ProcessGroup&) {
+    full_finetune_parity(2, /*tied=*/true, Units::kIsUnit);
+  });
+}
+
+// The tied table as a unit, called twice per forward: both uses' gradients accumulate before
+// its one reduce-scatter.
+TEST(LlamaFsdp, FullFinetuneTiedTableAsUnitWorld3) {
+  fsdp::testing::run_ranks(3, "gloo", [](fsdp::ProcessGroup&) {
+    full_finetune_parity(3, /*tied=*/true, Units::kUnitTypes);
+  });
+}
+
+TEST(LlamaFsdp, FullFinetuneTiedTableAsUnitWorld2Mpi) {
+  fsdp::testing::run_ranks(2, "mpi", [](fsdp::ProcessGroup&) {
+    full_finetune_parity(2, /*tied=*/true, Units::kUnitTypes);
+  });
 }
 
 }  // namespace

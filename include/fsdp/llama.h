@@ -16,8 +16,8 @@
 // FSDP (FULL_SHARD / SHARD_GRAD_OP) it is sharded before the next one is constructed; the
 // `on_layer` hook of the constructor runs first (the HF loader reads, quantizes and adds LoRA
 // there). LlamaDecoderLayer is the activation-checkpointing type (llama_layer_types). FSDP units:
-// each decoder layer, the embedding table and the untied head, torchtitan's split, so the
-// vocabulary matrices are sharded and gathered one at a time like a layer:
+// each decoder layer and, in an untied model, the embedding table and the head (torchtitan's
+// split), so the two vocabulary matrices are gathered one at a time like a layer:
 //
 //   fsdp::FSDPOptions o;   // `model` is read when the strategy sets up, after configure_model
 //   o.auto_wrap_policy = fsdp::AutoWrapPolicy::of_predicate(
@@ -25,7 +25,8 @@
 //         return model ? model->is_unit(m) : fsdp::nn::is_instance_of(m, fsdp::llama_unit_types());
 //       });
 //
-// (of_types(llama_unit_types()) alone leaves the untied head in the root unit.)
+// (of_types(llama_unit_types()) alone leaves the untied head in the root unit, and makes a tied
+// table a unit, which is_unit does not: LlamaForCausalLM::is_unit.)
 //
 // Semantics follow transformers 5.17 modeling_llama.py: RMSNorm computes in fp32 and multiplies
 // its weight after casting back (weight * x.to(input dtype)); RoPE inv_freq = 1/theta^(2i/d),
@@ -151,7 +152,7 @@ class LlamaDecoderLayer : public fsdp::nn::Module {
 // wrap policy can make it a unit of its own (llama_unit_types). Its parameter is `weight`, as
 // torch.nn.Embedding's. forward({ids int64}) -> embeddings (..., hidden);
 // forward({x floating}) -> x W^T, the tied head's logits (x cast to the table's dtype first).
-// A tied model calls it twice per forward, so a unit gathers the table for each use.
+// A tied model calls it twice per forward, so as a unit the table is gathered for each use.
 class LlamaEmbedding : public fsdp::nn::Module {
  public:
   LlamaEmbedding(int64_t vocab_size, int64_t hidden_size);
@@ -198,9 +199,10 @@ class LlamaForCausalLM : public fsdp::nn::Module, public LinearOwner {
   explicit LlamaForCausalLM(const LlamaConfig& config, const LlamaLayerHook& on_layer = {});
   at::Tensor forward(const fsdp::nn::Inputs& inputs) override;
   const LlamaConfig& config() const { return config_; }
-  // Whether FSDP should make `m` a unit of its own: a decoder layer, the embedding table, or the
-  // untied head as it is now (a Linear, a Linear4bit or the LoRA adapter around one, which no
-  // type names). A tied head holds no parameters (the embedding unit computes it): false.
+  // Whether FSDP should make `m` a unit of its own: a decoder layer and, untied, the embedding
+  // table and the head as it is now (a Linear, a Linear4bit or the LoRA adapter around one,
+  // which no type names). A tied table stays in the root unit: as a unit it measured slower at
+  // the same peak (Note [A tied table stays in the root] in src/models/llama.cpp).
   bool is_unit(const torch::nn::Module& m) const;
 
   std::shared_ptr<LlamaModel> model;
