@@ -343,8 +343,9 @@ int main(int argc, char** argv) {
       ->check(between(0.0, 1.0));
   app.add_option("--loss-chunk-tokens", a.model.loss.chunk_tokens,
                  "tokens per chunk of the head's logits in the loss (fsdp::linear_cross_entropy): "
-                 "0 = auto (ceil(tokens / ceil(vocab / width)), on whenever the vocabulary is "
-                 "wider than the model), -1 = off (the whole logits at once), N = N tokens")
+                 "0 = auto (chunks of ceil(tokens / ceil(vocab / width)), at least 64, once the "
+                 "whole fp32 logits would pass 64 MiB and the vocabulary is wider than the "
+                 "model), -1 = off (the whole logits at once), N = N tokens")
       ->check(at_least(int64_t{-1}))
       ->capture_default_str();
   app.add_flag("--vocab-parallel,!--no-vocab-parallel", a.model.vocab_parallel,

@@ -121,12 +121,19 @@ TEST(LinearCrossEntropy, IgnoredTargetsAddNothing) {
 
 TEST(LinearCrossEntropy, ChunkRule) {
   fsdp::VocabLossPolicy p;  // auto: chunks of logits no larger than the hidden states
-  // ceil(140 / 65) = 3 is below the 64-token floor: two chunks of 70.
-  EXPECT_EQ(fsdp::chunk_tokens_for(p, 140, 33278, 512), 70);
-  EXPECT_EQ(fsdp::chunk_tokens_for(p, 127, 33278, 512), 127);  // floor: one chunk
-  EXPECT_EQ(fsdp::chunk_tokens_for(p, 128, 33278, 512), 64);
-  EXPECT_EQ(fsdp::chunk_tokens_for(p, 200, 33278, 512), 67);   // three equal chunks
+  // Whole fp32 logits of at most 64 MiB are not chunked: 140 x 33,278 x 4 B = 18.6 MB, and
+  // GPT-2's 256 x 50,257 x 4 B = 51.5 MB.
+  EXPECT_EQ(fsdp::chunk_tokens_for(p, 140, 33278, 512), 140);
+  EXPECT_EQ(fsdp::chunk_tokens_for(p, 256, 50257, 768), 256);
+  // At 33,278 words, 504 tokens are 67,088,448 B (at most 64 MiB = 67,108,864 B: whole) and
+  // 505 tokens 67,221,560 B (chunked).
+  const int64_t over = fsdp::kAutoWholeLogitsBytes / (33278 * 4) + 1;
+  EXPECT_EQ(over, 505);
+  EXPECT_EQ(fsdp::chunk_tokens_for(p, over - 1, 33278, 512), over - 1);
+  // ceil(505 / 65) = 8 is below the 64-token floor: seven chunks of 73 (the last 67).
+  EXPECT_EQ(fsdp::chunk_tokens_for(p, over, 33278, 512), 73);
   EXPECT_EQ(fsdp::chunk_tokens_for(p, 8192, 50257, 768), 125);  // ceil(8192 / 66)
+  EXPECT_EQ(fsdp::chunk_tokens_for(p, 4096, 33278, 16), 64);  // ceil(4096 / 2080) = 2: the floor
   EXPECT_EQ(fsdp::chunk_tokens_for(p, 100, 64, 128), 100);    // vocab <= width: one chunk
   p.chunk_tokens = 7;
   EXPECT_EQ(fsdp::chunk_tokens_for(p, 100, 64, 8), 7);

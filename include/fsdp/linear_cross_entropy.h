@@ -28,12 +28,16 @@ struct VocabLossPolicy {
 // Fewest tokens per chunk under kAuto: smaller chunks make the head's matmuls bound by reading
 // the whole weight once per chunk, three times over (Note [Chunked linear cross-entropy]).
 constexpr int64_t kMinChunkTokens = 64;
+// Under kAuto, whole logits of at most this many fp32 bytes (tokens x vocab x 4) are not
+// chunked: the memory chunking would save is small beside the recomputation it costs.
+constexpr int64_t kAutoWholeLogitsBytes = int64_t{64} << 20;
 
 // The chunk length `policy` gives for `tokens` rows of width `hidden` into `vocab` logits;
-// `tokens` (one chunk) means the whole logits at once. kAuto: ceil(tokens / ceil(vocab /
-// hidden)), so a chunk's logits are no larger than the hidden states, but never fewer than
-// kMinChunkTokens tokens per chunk (then equal chunks of at least that many; under 128 tokens
-// is one chunk); when vocab <= hidden, one chunk (chunking would save nothing).
+// `tokens` (one chunk) means the whole logits at once. kAuto: one chunk when vocab <= hidden
+// (chunking would save nothing) or when the whole fp32 logits take at most
+// kAutoWholeLogitsBytes; else ceil(tokens / ceil(vocab / hidden)), so a chunk's logits are no
+// larger than the hidden states, but never fewer than kMinChunkTokens tokens per chunk (then
+// equal chunks of at least that many; under 128 tokens is one chunk).
 int64_t chunk_tokens_for(const VocabLossPolicy& policy, int64_t tokens, int64_t vocab,
                          int64_t hidden);
 
