@@ -8,7 +8,7 @@
 //       Builds llm.c's CPU trainer (train_gpt2.c from a checkout given on the command line; never
 //       vendored) beside the project, runs it on GPT-2 124M at B 4, T 64 with a random checkpoint
 //       and random tokens written here in its file formats, and runs fsdp-train --model gpt2-124m
-//       --strategy single on the same shapes. Goals: fsdp.cpp >= 3 x llm.c, step <= 1.5 x floor.
+//       --strategy single on the same shapes. Goals: fsdp.cpp >= 3 x llm.c, step <= 1.3 x floor.
 //
 // The floor (Note [Step floor]):
 //   compute   = the step's matmuls (forward, input gradient, weight gradient of every Linear at
@@ -428,7 +428,7 @@ int run_llmc_bench(const std::vector<std::string>& args) {
   auto g = fsdp::demos::gpt_preset("gpt2-124m");
 
   json out{{"bench", "llmc"},
-           {"goal", "fsdp.cpp >= 3 x llm.c's CPU trainer; step <= 1.5 x floor"},
+           {"goal", "fsdp.cpp >= 3 x llm.c's CPU trainer; step <= 1.3 x floor"},
            {"config", {{"model", "gpt2-124m"}, {"B", B}, {"T", T}, {"precision", "fp32"},
                        {"optimizer", "AdamW lr 1e-4, weight decay 0 (llm.c's)"},
                        {"threads", threads}, {"steps", steps}}}};
@@ -500,7 +500,7 @@ int run_llmc_bench(const std::vector<std::string>& args) {
     if (!llmc.contains("error")) {
       out["speedup_over_llmc"] = llmc["step_seconds"].get<double>() / ours;
       out["goal_met"] = out["speedup_over_llmc"].get<double>() >= 3.0 &&
-                        out["step_over_floor"].get<double>() <= 1.5;
+                        out["step_over_floor"].get<double>() <= 1.3;
     }
   }
   std::cout << out.dump(2) << std::endl;
@@ -509,6 +509,13 @@ int run_llmc_bench(const std::vector<std::string>& args) {
   if (llmc.contains("step_seconds")) t << "| llm.c train_gpt2 (CPU) | " << llmc["step_seconds"].get<double>() << " |\n";
   if (!measured.is_null()) t << "| fsdp.cpp single | " << measured["step_seconds"].get<double>() << " |\n";
   t << "| floor (matmuls + Adam traffic) | " << floor_s << " |\n";
+  if (out.contains("step_over_floor")) {
+    t << "step / floor = " << out["step_over_floor"].get<double>() << " (goal <= 1.3)";
+    if (out.contains("speedup_over_llmc")) {
+      t << "; llm.c / fsdp.cpp = " << out["speedup_over_llmc"].get<double>() << " (goal >= 3)";
+    }
+    t << "\n";
+  }
   std::cerr << t.str();
   return train.contains("error") ? 1 : 0;
 }
