@@ -319,6 +319,27 @@ int run_strategies(const std::vector<std::string>& args) {
     r["peak_rss_ratio_to_ddp"] = r["peak_rss_mb"].get<double>() / ddp["peak_rss_mb"].get<double>();
     r["it_per_s_ratio_to_ddp"] = r["it_per_s"].get<double>() / ddp["it_per_s"].get<double>();
   }
+  // The goals against DDP in the same run: peak tensor bytes <= 0.45 x DDP's at world 2 and
+  // <= 0.30 x at world 4 or more (FULL_SHARD and ZeRO-3), FULL_SHARD it/s >= 0.95 x DDP's.
+  // They are set for a full vocabulary (transformer-small at 33,278 words, GPT-2 at 50,257).
+  json goals = json::array();
+  const double peak_goal = c.devices >= 4 ? 0.30 : 0.45;
+  for (const auto& r : results) {
+    if (!r.contains("peak_alloc_ratio_to_ddp")) continue;
+    const std::string label = r["strategy"].get<std::string>();
+    if (label != "FULL_SHARD" && label != "ZeRO-3") continue;
+    if (c.devices >= 2) {
+      const double v = r["peak_alloc_ratio_to_ddp"].get<double>();
+      goals.push_back({{"what", label + " peak / DDP peak"}, {"measured", v},
+                       {"goal", "<= " + fsdp::bench::fixed(peak_goal, 2)}, {"met", v <= peak_goal}});
+    }
+    if (label == "FULL_SHARD") {
+      const double v = r["it_per_s_ratio_to_ddp"].get<double>();
+      goals.push_back({{"what", "FULL_SHARD it/s / DDP it/s"}, {"measured", v}, {"goal", ">= 0.95"},
+                       {"met", v >= 0.95}});
+    }
+  }
+  out["goals"] = goals;
   out["results"] = results;
   out["load_average_end"] = fsdp::bench::load_average();
   std::cout << out.dump(2) << std::endl;
@@ -352,6 +373,15 @@ int run_strategies(const std::vector<std::string>& args) {
   t << "\n\n(ratios to DDP measured in the same run; the arithmetic peak is 16 B x params / "
        "world + the root unit and the largest unit unsharded with their gradients + the "
        "activations at the peak, see bench/strategies.cpp)\n";
+  if (!goals.empty()) {
+    t << "\nGoals (set for a full vocabulary):";
+    for (const auto& g : goals) {
+      t << "\n- " << g["what"].get<std::string>() << " = "
+        << fsdp::bench::fixed(g["measured"].get<double>(), 2) << " (goal " << g["goal"].get<std::string>()
+        << "): " << (g["met"].get<bool>() ? "met" : "not met");
+    }
+    t << "\n";
+  }
   std::cerr << t.str();
   for (const auto& r : results) {
     if (r.contains("error")) return 1;
