@@ -252,8 +252,7 @@ using BuiltModel = std::weak_ptr<fsdp::LlamaForCausalLM>;
 fsdp::AutoWrapPolicy llama_units(std::shared_ptr<BuiltModel> built, bool vocabulary) {
   if (!vocabulary) return fsdp::AutoWrapPolicy::of_types(fsdp::llama_layer_types());
   return fsdp::AutoWrapPolicy::of_predicate([built](const torch::nn::Module& m, int64_t) {
-    if (auto model = built->lock()) return model->is_unit(m);
-    return fsdp::nn::is_instance_of(m, fsdp::llama_unit_types());
+    return fsdp::is_llama_unit(built->lock().get(), m);
   });
 }
 

@@ -130,8 +130,7 @@ fsdp::AutoWrapPolicy wrap_policy(Units units, const std::shared_ptr<fsdp::LlamaF
       break;
   }
   return fsdp::AutoWrapPolicy::of_predicate([model](const torch::nn::Module& m, int64_t) {
-    if (*model) return (*model)->is_unit(m);
-    return fsdp::nn::is_instance_of(m, fsdp::llama_unit_types());
+    return fsdp::is_llama_unit(model->get(), m);
   });
 }
 

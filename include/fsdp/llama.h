@@ -21,9 +21,7 @@
 //
 //   fsdp::FSDPOptions o;   // `model` is read when the strategy sets up, after configure_model
 //   o.auto_wrap_policy = fsdp::AutoWrapPolicy::of_predicate(
-//       [&model](const torch::nn::Module& m, int64_t) {
-//         return model ? model->is_unit(m) : fsdp::nn::is_instance_of(m, fsdp::llama_unit_types());
-//       });
+//       [&model](const torch::nn::Module& m, int64_t) { return fsdp::is_llama_unit(model.get(), m); });
 //
 // (of_types(llama_unit_types()) alone leaves the untied head in the root unit, and makes a tied
 // table a unit, which is_unit does not: LlamaForCausalLM::is_unit.)
@@ -241,5 +239,9 @@ fsdp::nn::ModuleTypes llama_layer_types();
 // (torchtitan's tok_embeddings unit). The untied head has no type of its own: a policy that
 // makes it a unit too asks LlamaForCausalLM::is_unit (AutoWrapPolicy::of_predicate).
 fsdp::nn::ModuleTypes llama_unit_types();
+// For a wrap policy made before the model exists (AutoWrapPolicy::of_predicate):
+// model->is_unit(m) once `model` is built; before that (the layers configure_model passes
+// through fsdp::nn::built) by type, llama_unit_types().
+bool is_llama_unit(const LlamaForCausalLM* model, const torch::nn::Module& m);
 
 }  // namespace fsdp

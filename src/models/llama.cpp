@@ -286,4 +286,8 @@ fsdp::nn::ModuleTypes llama_unit_types() {
   return fsdp::nn::module_types<LlamaDecoderLayer, LlamaEmbedding>();
 }
 
+bool is_llama_unit(const LlamaForCausalLM* model, const torch::nn::Module& m) {
+  return model ? model->is_unit(m) : fsdp::nn::is_instance_of(m, llama_unit_types());
+}
+
 }  // namespace fsdp
