@@ -121,7 +121,7 @@ TEST(Settings, ABadValueIsOneSentenceNamingTheVariableItsValueAndWhatIsValid) {
            {"FSDP_STDOUT_IS_TERMINAL", "yes", "0 (plain progress lines) or 1 (a redrawn line)"},
            {"FSDP_DEFERRED_INIT", "off", "0 (off) or 1 (on, the default)"},
            {"FSDP_DEBUG", "info", "'off', 'detail'"},
-           {"FSDP_BACKEND", "nccl", "'auto', 'gloo', 'mpi'"},
+           {"FSDP_BACKEND", "ucc", "'auto', 'gloo', 'mpi', 'nccl'"},
            {"FSDP_LAUNCH_NOTIFY_FD", "pipe", "a whole number from 0"},
            {"MASTER_PORT", "http", "a whole number from 0 to 65535"},
        }) {

@@ -30,17 +30,15 @@ void StepCosts::on_train_batch_end(Trainer& trainer, LightningModule&, int64_t) 
 void StepCosts::on_train_end(Trainer& trainer, LightningModule&) {
   const int64_t steps = start_step_ < 0 ? 0 : trainer.global_step() - start_step_;
   const Usage end = now();
-  at::Tensor mine = at::tensor({end.minor_faults - start_.minor_faults,
-                                end.user_us - start_.user_us, end.sys_us - start_.sys_us},
-                               at::kLong);
-  at::Tensor all = at::empty({3 * trainer.world_size()}, at::kLong);
-  trainer.world()->all_gather_into_tensor(all, mine);
+  const std::vector<int64_t> all = all_gather_values(
+      *trainer.world(), {end.minor_faults - start_.minor_faults, end.user_us - start_.user_us,
+                         end.sys_us - start_.sys_us});
   faults.clear(), user_seconds.clear(), sys_seconds.clear();
   if (steps <= 0) return;
   for (int r = 0; r < trainer.world_size(); ++r) {
-    faults.push_back(all[3 * r].item<int64_t>() / static_cast<double>(steps));
-    user_seconds.push_back(all[3 * r + 1].item<int64_t>() * 1e-6 / static_cast<double>(steps));
-    sys_seconds.push_back(all[3 * r + 2].item<int64_t>() * 1e-6 / static_cast<double>(steps));
+    faults.push_back(all[3 * r] / static_cast<double>(steps));
+    user_seconds.push_back(all[3 * r + 1] * 1e-6 / static_cast<double>(steps));
+    sys_seconds.push_back(all[3 * r + 2] * 1e-6 / static_cast<double>(steps));
   }
 }
 
@@ -93,6 +91,12 @@ nlohmann::json run_summary(const Trainer& trainer, const RunRecorders& recorders
   j["peak_rss_mb"] = mib(r.peak_rss_bytes);
   j["setup_peak_alloc_mb"] = mib(r.setup_peak_alloc_bytes);
   j["setup_peak_rss_mb"] = mib(r.setup_peak_rss_bytes);
+  // Per rank: the CUDA caching allocator's training peak (null on a rank without a GPU).
+  nlohmann::json device_peak = nlohmann::json::array();
+  for (int64_t b : r.device_peak_bytes) {
+    device_peak.push_back(b >= 0 ? nlohmann::json(b / 1048576.0) : nlohmann::json(nullptr));
+  }
+  j["device_peak_mb"] = device_peak;
   // Per rank: the training peak by category (Note [Memory categories] in fsdp/memory.h).
   nlohmann::json breakdown = nlohmann::json::array();
   for (const auto& rank : r.peak_breakdown_bytes) {

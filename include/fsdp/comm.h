@@ -1,9 +1,11 @@
 // fsdp::ProcessGroup — the small collective interface every strategy talks to.
 //
-// Two backends implement it: "gloo" (c10d ProcessGroupGloo, TCP, works across hosts) and
-// "mpi" (OpenMPI called directly; shared memory on one host). Both support fp32, bf16, fp16
-// and int64 for every op; where Gloo lacks an op or dtype (reduce-scatter, bf16, AVG) the
-// backend emulates it exactly. See docs/process_groups.md.
+// Three backends implement it: "gloo" (c10d ProcessGroupGloo, TCP, works across hosts), "mpi"
+// (OpenMPI called directly; shared memory on one host) and, in a CUDA build, "nccl" (CUDA
+// tensors on the rank's device, src/cuda/). Gloo and MPI support fp32, bf16, fp16 and int64 for
+// every op; where Gloo lacks an op or dtype (reduce-scatter, bf16, AVG) the backend emulates it
+// exactly. Gloo and MPI take CUDA tensors too, staged through host memory (Note [Staging device
+// tensors] in src/comm/process_group_impl.cpp). See docs/process_groups.md and docs/gpu.md.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -54,13 +56,18 @@ class ProcessGroup {
 
   virtual int rank() const = 0;
   virtual int size() const = 0;
-  // "gloo" | "mpi"; groups without peers: "self" (one rank), "shape-only" (planning)
+  // "gloo" | "mpi" | "nccl"; groups without peers: "self" (one rank), "shape-only" (planning)
   virtual std::string backend() const = 0;
+  // Where this group's tensors live natively: the CPU for gloo and mpi (which stage CUDA
+  // tensors through host memory), the rank's CUDA device for nccl (which refuses host
+  // tensors). Small exchanges of host values (metrics, memory tables) allocate here.
+  virtual c10::Device device() const { return c10::Device(c10::kCPU); }
   // Ranks of this group in the world group, index = rank in this group.
   virtual const std::vector<int>& world_ranks() const = 0;
 
-  // --- asynchronous collectives. Tensors must be contiguous, on the group's device, and stay
-  // alive until wait() returns. All ranks of the group call the same ops in the same order.
+  // --- asynchronous collectives. Tensors must be contiguous, on the group's device (gloo and
+  // mpi: CPU or CUDA; nccl: its CUDA device), and stay alive until wait() returns. All ranks
+  // of the group call the same ops in the same order.
 
   // output (size()*input.numel() elements, same dtype) = concat over ranks of input.
   virtual WorkPtr all_gather_into_tensor_async(at::Tensor output, at::Tensor input) = 0;
@@ -128,6 +135,14 @@ ProcessGroupPtr init_process_group(const ProcessGroupOptions& options = {});
 
 // The world group created by init_process_group (nullptr before).
 ProcessGroupPtr world_group();
+
+// Small exchanges of host values that work over every backend (nccl, which takes tensors on its
+// device only: through the group's device). Collective. all_gather_host: every rank's `host`
+// (the same shape and dtype everywhere) concatenated in rank order, on the host;
+// all_gather_values: the same for numbers; broadcast_host: rank `root`'s values into `host`.
+at::Tensor all_gather_host(ProcessGroup& group, const at::Tensor& host);
+std::vector<int64_t> all_gather_values(ProcessGroup& group, const std::vector<int64_t>& values);
+void broadcast_host(ProcessGroup& group, at::Tensor& host, int root);
 
 // Shuts down every group (queued work finishes first) and forgets the world group. Called at
 // process exit too; init_process_group may be called again afterwards (gloo; MPI itself can be

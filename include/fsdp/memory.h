@@ -131,6 +131,10 @@ struct RankMemory {
   std::vector<int64_t> peak_rss_bytes;
   std::vector<int64_t> current_bytes;
   std::vector<int64_t> current_rss_bytes;
+  // The CUDA caching allocator's peak and current allocated bytes of the rank's current
+  // device (torch.cuda.max_memory_allocated / memory_allocated); -1 on a rank without one.
+  std::vector<int64_t> device_peak_bytes;
+  std::vector<int64_t> device_current_bytes;
 };
 RankMemory gather_memory(ProcessGroup& group);
 

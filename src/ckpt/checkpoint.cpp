@@ -387,9 +387,13 @@ std::string write_full(const std::string& file, const std::vector<LocalTensor>& 
       }
       at::Tensor out = at::empty({in.numel() * L.shard_world}, in.options());
       L.shard_group->all_gather_into_tensor(out, in);
-      if (w) writing([&] { w->write(out.data_ptr(), static_cast<size_t>(t.full_nbytes())); });
+      if (w) {
+        const at::Tensor host = out.cpu();  // device tensors: copied to the host, a tensor at a time
+        writing([&] { w->write(host.data_ptr(), static_cast<size_t>(t.full_nbytes())); });
+      }
     } else if (w) {
-      writing([&] { w->write(t.local.data_ptr(), static_cast<size_t>(t.full_nbytes())); });
+      const at::Tensor host = t.local.cpu();
+      writing([&] { w->write(host.data_ptr(), static_cast<size_t>(t.full_nbytes())); });
     }
     if (i == 0) ckpt::maybe_crash_during_save(rank, step);
   }
@@ -428,7 +432,8 @@ void write_shard(const std::string& file, const Layout& L, int rank, int64_t ste
     }
     TORCH_INTERNAL_ASSERT(pieces.empty(), "streamed optimizer state must come last");
     window.enter(*t);
-    w.write(t->local.data_ptr(),
+    const at::Tensor host = t->local.cpu();  // device tensors: copied to the host, one at a time
+    w.write(host.data_ptr(),
             static_cast<size_t>(t->rows * t->row_numel() * t->local.element_size()));
     if (i == 0) ckpt::maybe_crash_during_save(rank, step);
   }
@@ -459,19 +464,18 @@ std::pair<int, std::string> gather_save_errors(Strategy& strategy, const std::st
     return {error.empty() ? 0 : 1, error.empty() ? "" : "rank 0: " + error};
   }
   const std::string mine_text = error.substr(0, 4096);
-  at::Tensor mine = at::tensor({static_cast<int64_t>(mine_text.size())}, at::kLong);
-  at::Tensor sizes = at::empty({world}, at::kLong);
-  strategy.world()->all_gather_into_tensor(sizes, mine);
+  const std::vector<int64_t> sizes =
+      all_gather_values(*strategy.world(), {static_cast<int64_t>(mine_text.size())});
   int failed = 0, first = -1;
   for (int r = 0; r < world; ++r) {
-    if (sizes[r].item<int64_t>() == 0) continue;
+    if (sizes[r] == 0) continue;
     ++failed;
     if (first < 0) first = r;
   }
   if (failed == 0) return {0, ""};
-  at::Tensor bytes = at::empty({sizes[first].item<int64_t>()}, at::kByte);
+  at::Tensor bytes = at::empty({sizes[first]}, at::kByte);
   if (strategy.rank() == first) std::copy(mine_text.begin(), mine_text.end(), bytes.data_ptr<uint8_t>());
-  strategy.world()->broadcast(bytes, first);
+  broadcast_host(*strategy.world(), bytes, first);
   return {failed, "rank " + std::to_string(first) + ": " +
                       std::string(reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>()),
                                   static_cast<size_t>(bytes.numel()))};
@@ -697,7 +701,7 @@ void save_checkpoint(const std::string& dir, Strategy& strategy, torch::nn::Modu
     if (world > 1) {
       at::Tensor bytes = at::empty({static_cast<int64_t>(ids.size())}, at::kByte);
       std::copy(ids.begin(), ids.end(), bytes.data_ptr<uint8_t>());
-      strategy.world()->broadcast(bytes, 0);
+      broadcast_host(*strategy.world(), bytes, 0);
       ids.assign(reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>()), ids.size());
     }
     run = ids.substr(0, ids.size() / 2);
@@ -729,12 +733,7 @@ void save_checkpoint(const std::string& dir, Strategy& strategy, torch::nn::Modu
   {
     // See Note [Per-rank RNG state].
     at::Tensor mine = cpu_rng_state();
-    at::Tensor all = at::empty({mine.numel() * world}, at::kByte);
-    if (world > 1) {
-      strategy.world()->all_gather_into_tensor(all, mine);
-    } else {
-      all.copy_(mine);
-    }
+    const at::Tensor all = world > 1 ? all_gather_host(*strategy.world(), mine) : mine;
     json per_rank = json::array();
     for (int r = 0; r < world; ++r) per_rank.push_back(hex_of(all.narrow(0, r * mine.numel(), mine.numel())));
     meta["rng_cpu"] = per_rank[0];

@@ -255,14 +255,18 @@ void Source::read_rows(const std::string& key, int64_t row_begin, int64_t rows,
   TORCH_INTERNAL_ASSERT(dst.numel() == rows * row_numel, "read_rows: destination of ",
                         dst.numel(), " elements for ", rows, " rows of ", row_numel);
   const at::ScalarType file_type = to_scalar_type(t->dtype);
-  const bool direct = dst.scalar_type() == file_type;
+  // Read straight into dst when it is host memory of the file's dtype; else through a host
+  // buffer (another dtype, or a device tensor).
+  const bool direct = dst.scalar_type() == file_type && dst.is_cpu();
   at::Tensor flat = dst.view({-1});
   for (const auto& p : t->pieces) {
     const int64_t lo = std::max(p.begin, row_begin);
     const int64_t hi = std::min(p.end, row_begin + rows);
     if (lo >= hi) continue;
     at::Tensor out = flat.narrow(0, (lo - row_begin) * row_numel, (hi - lo) * row_numel);
-    at::Tensor buf = direct ? out : at::empty({(hi - lo) * row_numel}, dst.options().dtype(file_type));
+    at::Tensor buf = direct ? out
+                            : at::empty({(hi - lo) * row_numel},
+                                        dst.options().dtype(file_type).device(at::kCPU));
     // See Note [Checkpoint identity]: a whole piece is checked from what was read, part of
     // one by reading the piece once.
     const bool whole = lo == p.begin && hi == p.end;

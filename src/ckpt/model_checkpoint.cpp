@@ -158,7 +158,7 @@ std::string ModelCheckpoint::unique_path(Trainer& trainer, const std::string& na
   }
   if (trainer.world_size() > 1) {
     at::Tensor v = at::tensor({version}, at::kLong);
-    trainer.world()->broadcast(v, 0);
+    broadcast_host(*trainer.world(), v, 0);
     version = v.item<int64_t>();
   }
   return (dir / (version == 0 ? name : name + "-v" + std::to_string(version))).string();
@@ -238,7 +238,7 @@ void ModelCheckpoint::save_now(Trainer& trainer) {
     auto it = metrics.find(o.monitor);
     at::Tensor v = at::tensor({it != metrics.end() ? 1.0 : 0.0,
                                it != metrics.end() ? it->second : 0.0}, at::kDouble);
-    if (trainer.world_size() > 1) trainer.world()->broadcast(v, 0);
+    if (trainer.world_size() > 1) broadcast_host(*trainer.world(), v, 0);
     have = v[0].item<double>() != 0;
     current = v[1].item<double>();
     if (!have) {

@@ -271,8 +271,9 @@ void finalize_ranks() {
 namespace {
 
 void check_options(const LaunchOptions& o) {
-  TORCH_CHECK(o.backend == "auto" || o.backend == "gloo" || o.backend == "mpi",
-              "[launch] unknown backend '", o.backend, "'; valid: auto, gloo, mpi");
+  TORCH_CHECK(o.backend == "auto" || o.backend == "gloo" || o.backend == "mpi" ||
+                  o.backend == "nccl",
+              "[launch] unknown backend '", o.backend, "'; valid: auto, gloo, mpi, nccl");
   TORCH_CHECK(o.num_nodes >= 1, "[launch] num_nodes must be >= 1, got ", o.num_nodes);
   TORCH_CHECK(o.devices <= 4096, "[launch] devices=", o.devices, " is not a sensible rank count");
 }

@@ -221,6 +221,25 @@ ProcessGroupPtr init_process_group(const ProcessGroupOptions& options) {
   return group;
 }
 
+at::Tensor all_gather_host(ProcessGroup& group, const at::Tensor& host) {
+  at::Tensor mine = host.to(group.device()).contiguous().view({-1});
+  at::Tensor all = at::empty({group.size() * mine.numel()}, mine.options());
+  group.all_gather_into_tensor(all, mine);
+  return all.cpu();
+}
+
+std::vector<int64_t> all_gather_values(ProcessGroup& group, const std::vector<int64_t>& values) {
+  const at::Tensor all = all_gather_host(group, at::tensor(values, at::kLong));
+  const int64_t* data = all.const_data_ptr<int64_t>();
+  return std::vector<int64_t>(data, data + all.numel());
+}
+
+void broadcast_host(ProcessGroup& group, at::Tensor& host, int root) {
+  at::Tensor sent = host.to(group.device());
+  group.broadcast(sent, root);
+  if (!sent.is_same(host)) host.copy_(sent);
+}
+
 ProcessGroupPtr world_group() {
   auto& g = globals();
   std::lock_guard<std::mutex> lock(g.mutex);

@@ -11,6 +11,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <functional>
+#include <initializer_list>
+#include <mutex>
 #include <sstream>
 
 namespace fsdp::detail {
@@ -133,10 +136,10 @@ bool is_movable(at::ScalarType t) {
 
 void check_tensor(const char* api, const char* what, const at::Tensor& t, bool reduce) {
   TORCH_CHECK(t.defined(), "[fsdp::ProcessGroup::", api, "] ", what, " is an undefined tensor");
-  TORCH_CHECK(t.device().is_cpu(), "[fsdp::ProcessGroup::", api, "] ", what, " is on ",
-              t.device(),
-              "; the gloo and mpi backends of this build take CPU tensors only (move it with "
-              ".cpu())");
+  TORCH_CHECK(t.device().is_cpu() || t.device().is_cuda(), "[fsdp::ProcessGroup::", api, "] ",
+              what, " is on ", t.device(),
+              "; the gloo and mpi backends take CPU tensors, and CUDA tensors through host "
+              "memory (move it with .cpu())");
   TORCH_CHECK(t.is_contiguous(), "[fsdp::ProcessGroup::", api, "] ", what,
               " must be contiguous (shape ", t.sizes(), ", strides ", t.strides(),
               "); pass .contiguous() or a flat buffer");
@@ -164,6 +167,89 @@ void divide_by(const at::Tensor& t, int64_t n) {
   } else {
     t.div_(n);
   }
+}
+
+// Note [Staging device tensors]
+// ------------------------------
+// Gloo and MPI move host memory. A collective given CUDA tensors (ranks sharing one GPU, where
+// NCCL allows one rank per device, or a machine without NCCL) runs on host copies:
+//   - on the caller's thread, each CUDA tensor the collective reads is copied into a pinned
+//     host buffer (a blocking copy: it waits for the kernels of the current stream that
+//     produced the values); a CUDA tensor it only writes gets an uninitialized buffer;
+//   - the host collective is queued like any other, so its fingerprint, timeout and culprit
+//     machinery are the same as for CPU tensors;
+//   - wait() (or an is_completed() that finds it done) copies the host results back into the
+//     CUDA tensors it writes, on the caller's current stream, before returning.
+// Two copies over PCIe and a host synchronization per collective: the way to share a device
+// between ranks, not a fast path (NCCL is, one rank per GPU). Docs: docs/gpu.md.
+class StagedWork final : public Work {
+ public:
+  StagedWork(WorkPtr inner, std::vector<std::pair<at::Tensor, at::Tensor>> copy_back)
+      : inner_(std::move(inner)), copy_back_(std::move(copy_back)) {}
+  void wait() override {
+    inner_->wait();
+    finish();
+  }
+  bool is_completed() override {
+    if (!inner_->is_completed()) return false;
+    finish();
+    return true;
+  }
+
+ private:
+  void finish() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& [device_tensor, host] : copy_back_) device_tensor.copy_(host);
+    copy_back_.clear();
+  }
+  WorkPtr inner_;
+  std::vector<std::pair<at::Tensor, at::Tensor>> copy_back_;  // (CUDA tensor, its host copy)
+  std::mutex mutex_;
+};
+
+bool any_cuda(std::initializer_list<const at::Tensor*> tensors) {
+  for (const at::Tensor* t : tensors) {
+    if (t->is_cuda()) return true;
+  }
+  return false;
+}
+
+// Runs `run` on host copies of `tensors` (Note [Staging device tensors]). reads[i] / writes[i]:
+// whether the collective reads / writes tensors[i]. A tensor given twice (in place) gets one
+// host copy.
+WorkPtr stage_through_host(const std::vector<at::Tensor>& tensors, const std::vector<bool>& reads,
+                           const std::vector<bool>& writes,
+                           const std::function<WorkPtr(const std::vector<at::Tensor>&)>& run) {
+  std::vector<at::Tensor> host(tensors.size());
+  std::vector<size_t> first(tensors.size());  // the index whose host copy tensors[i] shares
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    first[i] = i;
+    for (size_t j = 0; j < i && first[i] == i; ++j) {
+      if (tensors[j].is_same(tensors[i])) first[i] = first[j];
+    }
+  }
+  std::vector<std::pair<at::Tensor, at::Tensor>> copy_back;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    if (!t.is_cuda()) {
+      host[i] = t;
+      continue;
+    }
+    if (first[i] != i) {
+      host[i] = host[first[i]];
+      continue;
+    }
+    bool read = false, written = false;
+    for (size_t j = i; j < tensors.size(); ++j) {
+      if (first[j] != i) continue;
+      read = read || reads[j];
+      written = written || writes[j];
+    }
+    host[i] = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(true));
+    if (read) host[i].copy_(t);
+    if (written) copy_back.emplace_back(t, host[i]);
+  }
+  return std::make_shared<StagedWork>(run(host), std::move(copy_back));
 }
 
 }  // namespace
@@ -569,6 +655,11 @@ WorkPtr GroupImpl::all_gather_into_tensor_async(at::Tensor output, at::Tensor in
   constexpr const char* api = "all_gather_into_tensor";
   check_tensor(api, "output", output, false);
   check_tensor(api, "input", input, false);
+  if (any_cuda({&output, &input})) {
+    return stage_through_host({output, input}, {false, true}, {true, false}, [this](auto& h) {
+      return all_gather_into_tensor_async(h[0], h[1]);
+    });
+  }
   check_same_dtype(api, output, input);
   TORCH_CHECK(output.numel() == input.numel() * config_.size, "[fsdp::ProcessGroup::", api,
               "] output has ", output.numel(), " elements but the group of ", config_.size,
@@ -593,6 +684,11 @@ WorkPtr GroupImpl::reduce_scatter_tensor_async(at::Tensor output, at::Tensor inp
   constexpr const char* api = "reduce_scatter_tensor";
   check_tensor(api, "output", output, true);
   check_tensor(api, "input", input, true);
+  if (any_cuda({&output, &input})) {
+    return stage_through_host({output, input}, {false, true}, {true, false}, [this, op](auto& h) {
+      return reduce_scatter_tensor_async(h[0], h[1], op);
+    });
+  }
   check_same_dtype(api, output, input);
   TORCH_CHECK(input.numel() == output.numel() * config_.size, "[fsdp::ProcessGroup::", api,
               "] input has ", input.numel(), " elements but the group of ", config_.size,
@@ -616,6 +712,11 @@ WorkPtr GroupImpl::reduce_scatter_tensor_async(at::Tensor output, at::Tensor inp
 WorkPtr GroupImpl::all_reduce_async(at::Tensor tensor, ReduceOp op) {
   constexpr const char* api = "all_reduce";
   check_tensor(api, "tensor", tensor, true);
+  if (tensor.is_cuda()) {
+    return stage_through_host({tensor}, {true}, {true}, [this, op](auto& h) {
+      return all_reduce_async(h[0], op);
+    });
+  }
   counters_.all_reduce_bytes += tensor.nbytes();
   counters_.calls += 1;
   Fingerprint fp{CollectiveOp::kAllReduce, tensor.scalar_type(), tensor.numel(),
@@ -629,6 +730,11 @@ WorkPtr GroupImpl::all_reduce_async(at::Tensor tensor, ReduceOp op) {
 WorkPtr GroupImpl::broadcast_async(at::Tensor tensor, int root) {
   constexpr const char* api = "broadcast";
   check_tensor(api, "tensor", tensor, false);
+  if (tensor.is_cuda()) {
+    return stage_through_host({tensor}, {true}, {true}, [this, root](auto& h) {
+      return broadcast_async(h[0], root);
+    });
+  }
   TORCH_CHECK(root >= 0 && root < config_.size, "[fsdp::ProcessGroup::broadcast] root ", root,
               " is not a rank of group ", config_.name, " (size ", config_.size,
               "); root is a rank in this group, not a world rank");
@@ -645,6 +751,11 @@ WorkPtr GroupImpl::all_to_all_async(at::Tensor output, at::Tensor input) {
   constexpr const char* api = "all_to_all";
   check_tensor(api, "output", output, false);
   check_tensor(api, "input", input, false);
+  if (any_cuda({&output, &input})) {
+    return stage_through_host({output, input}, {false, true}, {true, false}, [this](auto& h) {
+      return all_to_all_async(h[0], h[1]);
+    });
+  }
   check_same_dtype(api, output, input);
   TORCH_CHECK(output.numel() == input.numel() && input.numel() % config_.size == 0,
               "[fsdp::ProcessGroup::all_to_all] equal splits need input and output of the same "

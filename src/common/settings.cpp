@@ -304,8 +304,10 @@ Settings parse_settings(const Environment& environment) {
   s.path = env.get_or("PATH", "/usr/local/bin:/usr/bin:/bin");
 
   s.backend = env.get_or("FSDP_BACKEND", "");
-  if (!s.backend.empty() && s.backend != "auto" && s.backend != "gloo" && s.backend != "mpi") {
-    bad_value("FSDP_BACKEND", s.backend, "a process group backend", "'auto', 'gloo', 'mpi'");
+  if (!s.backend.empty() && s.backend != "auto" && s.backend != "gloo" && s.backend != "mpi" &&
+      s.backend != "nccl") {
+    bad_value("FSDP_BACKEND", s.backend, "a process group backend",
+              "'auto', 'gloo', 'mpi', 'nccl'");
   }
   s.memory_budget = env.bytes("FSDP_MEMORY_BUDGET", "for no budget");
   s.alloc_cache_bytes = env.bytes("FSDP_ALLOC_CACHE", "to turn the cache off")

@@ -28,6 +28,7 @@ class NcclGroup final : public ProcessGroup, public std::enable_shared_from_this
   int rank() const override { return rank_; }
   int size() const override { return static_cast<int>(world_ranks_.size()); }
   std::string backend() const override { return "nccl"; }
+  c10::Device device() const override { return device_; }
   const std::vector<int>& world_ranks() const override { return world_ranks_; }
 
   WorkPtr all_gather_into_tensor_async(at::Tensor output, at::Tensor input) override;

@@ -1,7 +1,9 @@
 // memory_summary(): this rank's table; gather_memory / memory_summary(group): all ranks'.
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <optional>
 #include <sstream>
 
 #include "common/settings.h"
@@ -51,20 +53,20 @@ std::string memory_summary() {
 
 RankMemory gather_memory(ProcessGroup& group) {
   MemoryStats s = memory_stats();
+  const std::optional<detail::DeviceMemoryStats> d = detail::device_memory_stats();
   // Read everything before allocating the exchange buffers (they are tracked too).
-  int64_t values[4] = {s.peak_bytes, peak_rss_bytes(), s.current_bytes, current_rss_bytes()};
-  constexpr int kFields = 4;
-  at::Tensor input = at::empty({kFields}, at::kLong);
-  for (int i = 0; i < kFields; ++i) input[i] = values[i];
-  at::Tensor output = at::empty({group.size() * kFields}, at::kLong);
-  group.all_gather_into_tensor(output, input);
-  auto v = output.accessor<int64_t, 1>();
+  constexpr int kFields = 6;
+  const std::vector<int64_t> all = all_gather_values(
+      group, {s.peak_bytes, peak_rss_bytes(), s.current_bytes, current_rss_bytes(),
+              d ? d->peak_allocated : -1, d ? d->current_allocated : -1});
   RankMemory m;
   for (int r = 0; r < group.size(); ++r) {
-    m.peak_bytes.push_back(v[r * kFields + 0]);
-    m.peak_rss_bytes.push_back(v[r * kFields + 1]);
-    m.current_bytes.push_back(v[r * kFields + 2]);
-    m.current_rss_bytes.push_back(v[r * kFields + 3]);
+    m.peak_bytes.push_back(all[r * kFields + 0]);
+    m.peak_rss_bytes.push_back(all[r * kFields + 1]);
+    m.current_bytes.push_back(all[r * kFields + 2]);
+    m.current_rss_bytes.push_back(all[r * kFields + 3]);
+    m.device_peak_bytes.push_back(all[r * kFields + 4]);
+    m.device_current_bytes.push_back(all[r * kFields + 5]);
   }
   return m;
 }
@@ -74,15 +76,27 @@ std::string memory_summary(ProcessGroup& group) {
   if (group.rank() != 0) return "";
   std::ostringstream out;
   char buf[200];
-  std::snprintf(buf, sizeof(buf), "%-6s %16s %16s %16s %16s\n", "rank", "peak allocated", "current",
+  // Device columns when a rank has a CUDA device (a CUDA build with a visible GPU).
+  const bool device = std::any_of(m.device_peak_bytes.begin(), m.device_peak_bytes.end(),
+                                  [](int64_t b) { return b >= 0; });
+  auto device_cell = [](int64_t b) { return b >= 0 ? format_bytes(b) : std::string("-"); };
+  std::snprintf(buf, sizeof(buf), "%-6s %16s %16s %16s %16s", "rank", "peak allocated", "current",
                 "peak RSS", "current RSS");
   out << "memory per rank (" << group.size() << " ranks, " << group.backend() << ")\n" << buf;
+  if (device) out << "  device peak     device current";
+  out << "\n";
   for (int r = 0; r < group.size(); ++r) {
-    std::snprintf(buf, sizeof(buf), "%-6d %16s %16s %16s %16s\n", group.world_ranks()[r],
+    std::snprintf(buf, sizeof(buf), "%-6d %16s %16s %16s %16s", group.world_ranks()[r],
                   format_bytes(m.peak_bytes[r]).c_str(), format_bytes(m.current_bytes[r]).c_str(),
                   format_bytes(m.peak_rss_bytes[r]).c_str(),
                   format_bytes(m.current_rss_bytes[r]).c_str());
     out << buf;
+    if (device) {
+      std::snprintf(buf, sizeof(buf), " %12s %18s", device_cell(m.device_peak_bytes[r]).c_str(),
+                    device_cell(m.device_current_bytes[r]).c_str());
+      out << buf;
+    }
+    out << "\n";
   }
   int64_t budget = memory_budget();
   if (budget > 0) out << "budget per rank: " << format_bytes(budget) << "\n";

@@ -97,10 +97,8 @@ RowsInShard rows_in_shard(const at::Tensor& ids, int64_t row_begin, int64_t real
 
 // The number of rows each rank of `group` holds, all-gathered; the largest.
 int64_t largest_count(int64_t n, ProcessGroup& group) {
-  at::Tensor mine = at::full({1}, n, at::kLong);
-  at::Tensor all = at::empty({group.size()}, at::kLong);
-  group.all_gather_into_tensor(all, mine);
-  return all.max().item<int64_t>();
+  const std::vector<int64_t> all = all_gather_values(group, {n});
+  return *std::max_element(all.begin(), all.end());
 }
 
 // x (n, ...) padded with `fill` to (rows, ...) and all-gathered: (W rows, ...), rank q's rows
@@ -255,7 +253,7 @@ struct ShardedLinearCrossEntropyFunction
     at::Tensor loss = per_token.narrow(0, offset, n).sum() / static_cast<double>(count);
 
     ctx->save_for_backward({all_hidden, weight_shard, bias_shard, all_target, lse});
-    ctx->saved_data["autocast_dtype"] = detail::cpu_autocast_dtype_code();
+    ctx->saved_data["autocast_dtype"] = detail::autocast_dtype_code(all_hidden);
     ctx->saved_data["group"] = detail::group_capsule(group_ptr);
     ctx->saved_data["rows"] = rows;
     ctx->saved_data["n"] = n;
@@ -344,7 +342,8 @@ struct ShardedLinearCrossEntropyFunction
         if (want_weight) grad_weight.addmm_(g.t(), h.to(acc.dtype()));
         if (want_bias && bias_replicated) {
           const at::Tensor owner =
-              at::arange(begin, begin + len, at::TensorOptions().dtype(at::kLong)).div_(rows, "floor");
+              at::arange(begin, begin + len, at::TensorOptions(at::kLong).device(g.device()))
+                  .div_(rows, "floor");
           grad_bias.index_add_(0, owner, g);
         } else if (want_bias) {
           grad_bias.add_(g.sum(0));
