@@ -292,7 +292,8 @@ int main(int argc, char** argv) {
 
   fsdp::TrainerOptions& t = a.common.trainer;
   app.option_defaults()->group("Trainer");
-  app.add_option("--accelerator", t.accelerator, "cpu | auto | cuda | gpu (cuda: a CUDA build; training on it is not on CUDA yet, docs/gpu.md)")
+  app.add_option("--accelerator", t.accelerator, "cpu | auto | cuda | gpu (cuda: a CUDA build, rank r on cuda:(local rank % GPUs); "
+                 "auto: cuda when a GPU is visible; what runs on CUDA: docs/gpu.md)")
       ->check(one_of(fsdp::Trainer::accelerator_names()));
   app.add_option("--num-nodes", t.num_nodes, "nodes (under SLURM/mpirun/torchrun-style env)")
       ->check(at_least(1));

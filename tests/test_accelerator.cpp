@@ -10,6 +10,8 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <utility>
+#include <vector>
 
 using fsdp::detail::choose_device;
 using fsdp::detail::DeviceFacts;
@@ -114,19 +116,25 @@ TEST(Accelerator, NcclBackendInCpuBuildNamesTheCudaBuild) {
 TEST(Accelerator, CpuBuildTypeChecksEveryCudaSource) {
 #if FSDP_CUDA_TYPECHECK
   namespace fs = std::filesystem;
-  const fs::path objects =
-      fs::path(FSDP_BIN_DIR).parent_path() / "CMakeFiles/fsdp_cuda_typecheck.dir/src/cuda";
+  const fs::path build = fs::path(FSDP_BIN_DIR).parent_path();
+  // The CUDA path's sources, and the GPU tests (tests/CMakeLists.txt).
+  const std::vector<std::pair<fs::path, fs::path>> checked = {
+      {fs::path(FSDP_SOURCE_DIR) / "src/cuda", build / "CMakeFiles/fsdp_cuda_typecheck.dir/src/cuda"},
+      {fs::path(FSDP_SOURCE_DIR) / "tests/gpu",
+       build / "tests/CMakeFiles/fsdp_gpu_tests_typecheck.dir/gpu"}};
   int n = 0;
-  for (const auto& entry : fs::directory_iterator(fs::path(FSDP_SOURCE_DIR) / "src/cuda")) {
-    if (entry.path().extension() != ".cpp") continue;
-    ++n;
-    const fs::path object = objects / (entry.path().filename().string() + ".o");
-    ASSERT_TRUE(fs::exists(object)) << object << " is missing: " << entry.path()
-                                    << " is not type-checked";
-    EXPECT_GE(fs::last_write_time(object), fs::last_write_time(entry.path()))
-        << object << " is older than its source";
+  for (const auto& [sources, objects] : checked) {
+    for (const auto& entry : fs::directory_iterator(sources)) {
+      if (entry.path().extension() != ".cpp") continue;
+      ++n;
+      const fs::path object = objects / (entry.path().filename().string() + ".o");
+      ASSERT_TRUE(fs::exists(object)) << object << " is missing: " << entry.path()
+                                      << " is not type-checked";
+      EXPECT_GE(fs::last_write_time(object), fs::last_write_time(entry.path()))
+          << object << " is older than its source";
+    }
   }
-  EXPECT_GE(n, 2);
+  EXPECT_GE(n, 3);
 #else
   GTEST_SKIP() << "[fsdp-skip] this build does not type-check the CUDA sources (a CUDA build, "
                   "or no CUDA toolkit / nccl.h at configure time: see the configure output)";

@@ -39,7 +39,7 @@ TEST(Cli, BadValuesExit2WithOneLine) {
   const std::vector<std::vector<std::string>> cases = {
       {"--devices", "0"},         {"--batch-size", "abc"},    {"--precision", "bf17"},
       {"--strategy", "dpp"},      {"--model", "gpt5"},        {"--data", "imagenet"},
-      {"--lr", "-1"},             {"--backend", "nccl"},      {"--nlayers", "3"},
+      {"--lr", "-1"},             {"--backend", "ucc"},       {"--nlayers", "3"},
       {"--dropout", "1.5"},       {"--optimizer", "lion"},    {"--accumulate-grad-batches", "0"}};
   for (const auto& c : cases) {
     std::vector<std::string> argv{train_bin()};

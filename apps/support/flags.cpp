@@ -140,9 +140,11 @@ CommonFlags::CommonFlags(CLI::App& app, CommonArgs& a, CommonFlagsSpec spec)
       ->check(one_of(names))
       ->group(trainer);
   app.add_option("--backend", t.process_group_backend,
-                 "process group backend; auto: mpi on one host when built and mpirun is on PATH, "
-                 "or under mpirun; else gloo (env FSDP_BACKEND when auto)")
-      ->check(one_of({"auto", "gloo", "mpi"}))
+                 "process group backend; auto: on CUDA devices nccl (one rank per GPU) or gloo "
+                 "(ranks sharing a GPU); on the CPU mpi on one host when built and mpirun is on "
+                 "PATH, or under mpirun; else gloo (env FSDP_BACKEND when auto). nccl: a CUDA "
+                 "build, --accelerator cuda")
+      ->check(one_of({"auto", "gloo", "mpi", "nccl"}))
       ->group(trainer);
   app.add_option("--precision", t.precision, spec_.precision_help)
       ->check(one_of(spec_.precisions))

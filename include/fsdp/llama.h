@@ -180,10 +180,12 @@ class LlamaModel : public fsdp::nn::Module {
   bool input_require_grads = false;
 
  private:
-  const std::pair<at::Tensor, at::Tensor>& cos_sin(int64_t seq_len, at::ScalarType dtype);
+  // The rotary tables for seq_len positions in `like`'s dtype, on its device (cached).
+  const std::pair<at::Tensor, at::Tensor>& cos_sin(int64_t seq_len, const at::Tensor& like);
   LlamaConfig config_;
   int64_t cached_len_ = -1;
   at::ScalarType cached_dtype_ = at::kFloat;
+  c10::Device cached_device_{c10::kCPU};
   std::pair<at::Tensor, at::Tensor> cached_cos_sin_;
 };
 

@@ -92,20 +92,29 @@ std::optional<at::ScalarType> autocast_dtype(Precision precision);
 // Whether the Trainer scales the loss (a ShardedGradScaler over the world): "16-mixed" only.
 bool uses_grad_scaler(Precision precision);
 
-// RAII: CPU autocast to `dtype` while alive, as Lightning's MixedPrecision plugin does for
-// "bf16-mixed" / "16-mixed" on CPU (matmul-like ops run in bf16/fp16, parameters stay fp32).
-// nullopt does nothing. Nests; the cast cache is cleared when the outermost guard ends.
-class CpuAutocastGuard {
+// RAII: autocast of `device_type` (CPU or CUDA) to `dtype` while alive, as Lightning's
+// MixedPrecision plugin does for "bf16-mixed" / "16-mixed" (matmul-like ops run in bf16/fp16,
+// parameters stay fp32). nullopt does nothing. Nests; the cast cache is cleared when the
+// outermost guard ends.
+class AutocastGuard {
  public:
-  explicit CpuAutocastGuard(std::optional<at::ScalarType> dtype);
-  ~CpuAutocastGuard();
-  CpuAutocastGuard(const CpuAutocastGuard&) = delete;
-  CpuAutocastGuard& operator=(const CpuAutocastGuard&) = delete;
+  AutocastGuard(c10::DeviceType device_type, std::optional<at::ScalarType> dtype);
+  ~AutocastGuard();
+  AutocastGuard(const AutocastGuard&) = delete;
+  AutocastGuard& operator=(const AutocastGuard&) = delete;
 
  private:
+  c10::DeviceType device_type_;
   bool enabled_;
   bool prev_enabled_ = false;
   at::ScalarType prev_dtype_ = at::kBFloat16;
+};
+
+// CPU autocast (AutocastGuard on the CPU).
+class CpuAutocastGuard : public AutocastGuard {
+ public:
+  explicit CpuAutocastGuard(std::optional<at::ScalarType> dtype)
+      : AutocastGuard(c10::DeviceType::CPU, dtype) {}
 };
 
 // RAII: torch's default dtype while alive, so modules built in configure_model create their

@@ -220,9 +220,15 @@ class Strategy {
   int world_size() const { return world_ ? world_->size() : 1; }
   const LaunchInfo& launch_info() const { return launch_; }
 
+  // The device this rank trains on (the Trainer sets it before configure_model: the CPU, or
+  // cuda:i). A strategy that cannot run there refuses it in setup_module.
+  void set_device(c10::Device device) { device_ = device; }
+  c10::Device device() const { return device_; }
+
  protected:
   ProcessGroupPtr world_;
   LaunchInfo launch_;
+  c10::Device device_{c10::kCPU};
 };
 using StrategyPtr = std::shared_ptr<Strategy>;
 

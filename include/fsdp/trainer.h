@@ -80,8 +80,9 @@ class StrategySpec {
 
 // Field order follows Lightning's Trainer signature; designated initializers must keep it.
 struct TrainerOptions {
-  // "cpu" or "auto" (= cpu here). "cuda"/"gpu" fail: this libtorch has no CUDA, and the CUDA
-  // path is not implemented yet.
+  // "cpu", "cuda" / "gpu" (a CUDA build: rank r trains on cuda:(local_rank % visible devices)),
+  // or "auto" (cuda when this build has CUDA and a device is visible, else cpu). docs/gpu.md
+  // says what runs on CUDA and what is refused there.
   std::string accelerator = "cpu";
   int devices = 1;    // ranks per node (processes on CPU)
   int num_nodes = 1;
@@ -114,9 +115,11 @@ struct TrainerOptions {
   std::string default_root_dir = "fsdp_logs";
   // >= 0: seed_everything(seed) before configure_model (same model on every rank).
   int64_t seed = -1;
-  // "auto" | "gloo" | "mpi". "auto" (FSDP_BACKEND overrides it): mpi when launched by
-  // mpirun, or on one host when MPI is built and mpirun is on PATH (the program re-runs itself
-  // through mpirun); gloo otherwise. Rank 0 prints the choice and why (docs/process_groups.md).
+  // "auto" | "gloo" | "mpi" | "nccl" (CUDA builds). "auto" (FSDP_BACKEND overrides it): on a
+  // CUDA device, nccl when every rank of a node has a GPU of its own, else gloo (ranks sharing
+  // a GPU, CUDA tensors staged through host memory); on the CPU, mpi when launched by mpirun,
+  // or on one host when MPI is built and mpirun is on PATH (the program re-runs itself through
+  // mpirun); gloo otherwise. Rank 0 prints the choice and why (docs/process_groups.md).
   std::string process_group_backend = "auto";
   // Where logged metrics go (rank 0; fsdp/logger.h, docs/logging.md). logger false: nowhere.
   // loggers empty: a CSVLogger and a TensorBoardLogger writing into one
@@ -176,6 +179,9 @@ struct FitResults {
   // reference's memory table does. Setup's own peaks are reported separately.
   std::vector<int64_t> peak_alloc_bytes;  // per rank: peak tensor bytes (tracking allocator)
   std::vector<int64_t> peak_rss_bytes;    // per rank: peak resident set size
+  // Per rank: the CUDA caching allocator's peak allocated bytes during training
+  // (torch.cuda.max_memory_allocated after setup); -1 on a rank without a CUDA device.
+  std::vector<int64_t> device_peak_bytes;
   std::vector<int64_t> setup_peak_alloc_bytes;  // per rank: peak tensor bytes during setup
   std::vector<int64_t> setup_peak_rss_bytes;    // per rank: peak RSS at the end of setup
   // Per rank: the training peak (peak_alloc_bytes) split by who allocated the bytes alive at
@@ -273,8 +279,13 @@ class Trainer {
   ProcessGroupPtr world_;
   StrategyPtr strategy_;
   LightningModule* configured_module_ = nullptr;  // configure_model + setup_module done
-  // bf16-mixed / 16-mixed that the strategy leaves to the Trainer: the CPU autocast dtype.
+  // bf16-mixed / 16-mixed that the strategy leaves to the Trainer: the autocast dtype (on the
+  // device's type: CPU or CUDA autocast).
   std::optional<at::ScalarType> cpu_autocast_;
+  // The device this rank trains on (accelerator; src/common/device_choice.h).
+  c10::Device device_{c10::kCPU};
+  // The batch on device_ (the loader's tensors are host tensors).
+  Batch on_device(const Batch& batch) const;
   int64_t global_step_ = 0;
   int64_t current_epoch_ = 0;
   FitResults results_;

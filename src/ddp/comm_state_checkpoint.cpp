@@ -155,7 +155,13 @@ void DDPStrategy::load_extra_state(const std::string& dir, torch::nn::Module& mo
       for (const auto& e : reader.header().tensors) {
         at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(ckpt::to_scalar_type(e.dtype)));
         reader.read(e.name, t.data_ptr(), static_cast<size_t>(t.nbytes()));
-        (e.name.rfind(kReplicaPrefix, 0) == 0 ? replica : d.tensors)[e.name] = t;
+        // The hook's state lives where the buckets do (the rank's device); replicas are
+        // copied into the parameters and optimizer state wherever those are.
+        if (e.name.rfind(kReplicaPrefix, 0) == 0) {
+          replica[e.name] = t;
+        } else {
+          d.tensors[e.name] = t.to(device());
+        }
       }
     }
   } catch (const ckpt::FormatError& e) {

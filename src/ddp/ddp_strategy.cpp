@@ -115,7 +115,9 @@ void DDPStrategy::setup(torch::nn::Module& module) {
                       "fsdp::init_process_group() before setting up the module");
   TORCH_CHECK(!reducer_, "[ddp] setup_module called twice; one DDPStrategy drives one module");
 
-  const int64_t budget = memory_budget();
+  // The budget is host memory (fsdp/memory.h): model state on a CUDA device is not checked
+  // against it (docs/gpu.md).
+  const int64_t budget = device().is_cuda() ? 0 : memory_budget();
   if (budget > 0) {
     const DDPMemoryEstimate est = estimate_ddp_memory(module, options_);
     if (est.total_bytes() > budget) {

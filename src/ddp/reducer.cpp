@@ -344,7 +344,9 @@ void Reducer::finalize_backward() {
     // See Note [DDP unused parameters]: after every bucket, on every rank.
     auto used = used_local_.accessor<float, 1>();
     for (size_t i = 0; i < params_.size(); ++i) used[i] = params_[i].used ? 1.f : 0.f;
-    used_work_ = group_->all_reduce_async(used_local_, ReduceOp::kSum);
+    // On the group's device (NCCL: the rank's GPU); read back on the host in finish().
+    used_exchanged_ = used_local_.to(group_->device());
+    used_work_ = group_->all_reduce_async(used_exchanged_, ReduceOp::kSum);
   }
   state_ = ReducerState::kReducing;
 }
@@ -408,6 +410,7 @@ void Reducer::finish_backward(bool sync) {
   if (have_mask) {
     used_work_->wait();
     used_work_.reset();
+    if (!used_exchanged_.is_same(used_local_)) used_local_.copy_(used_exchanged_);
   }
   auto used = used_local_.accessor<float, 1>();
   // Copy-out into .grad (nothing to copy with gradient_as_bucket_view).
@@ -455,7 +458,11 @@ void Reducer::record_static_graph(bool have_mask) {
     if (!seen[i]) acc[k++] = i;
   }
   TORCH_INTERNAL_ASSERT(k == n);
-  group_->broadcast(order, 0);
+  {
+    at::Tensor sent = order.to(group_->device());  // NCCL: the rank's GPU
+    group_->broadcast(sent, 0);
+    if (!sent.is_same(order)) order.copy_(sent);
+  }
   std::vector<int> new_order(n);
   for (int64_t i = 0; i < n; ++i) {
     new_order[i] = static_cast<int>(acc[i]);

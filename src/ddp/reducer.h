@@ -116,6 +116,7 @@ class Reducer {
   // find_unused_parameters / static_graph: 1 per parameter used on any rank (all-reduced).
   at::Tensor used_local_;   // (num params) float
   WorkPtr used_work_;
+  at::Tensor used_exchanged_;  // used_local_ on the group's device while used_work_ runs
 
   // static_graph: see Note [DDP static graph].
   std::vector<int> ready_order_;         // parameter indices as their gradients arrived

@@ -186,12 +186,15 @@ at::Tensor LlamaModel::embed(const at::Tensor& input_ids) {
   return h;
 }
 
-const std::pair<at::Tensor, at::Tensor>& LlamaModel::cos_sin(int64_t seq_len, at::ScalarType dtype) {
-  if (seq_len != cached_len_ || dtype != cached_dtype_) {
-    auto [cos, sin] = rotary_cos_sin(config_, seq_len);
-    cached_cos_sin_ = {cos.to(dtype), sin.to(dtype)};
+const std::pair<at::Tensor, at::Tensor>& LlamaModel::cos_sin(int64_t seq_len,
+                                                             const at::Tensor& like) {
+  const at::ScalarType dtype = like.scalar_type();
+  if (seq_len != cached_len_ || dtype != cached_dtype_ || like.device() != cached_device_) {
+    auto [cos, sin] = rotary_cos_sin(config_, seq_len);  // computed on the host, in fp32
+    cached_cos_sin_ = {cos.to(like.device(), dtype), sin.to(like.device(), dtype)};
     cached_len_ = seq_len;
     cached_dtype_ = dtype;
+    cached_device_ = like.device();
   }
   return cached_cos_sin_;
 }
@@ -203,16 +206,17 @@ at::Tensor LlamaModel::forward(const fsdp::nn::Inputs& inputs) {
               ids.defined() ? ids.sizes() : at::IntArrayRef{});
   const int64_t B = ids.size(0), T = ids.size(1);
   at::Tensor x = embed(ids);  // (B, T, C)
-  const auto& [cos, sin] = cos_sin(T, x.scalar_type());
+  const auto& [cos, sin] = cos_sin(T, x);
   at::Tensor mask;  // undefined: causal only (see LlamaAttention)
   if (attention_mask.defined() && !attention_mask.to(at::kBool).all().item<bool>()) {
     TORCH_CHECK(attention_mask.sizes() == ids.sizes(), "[LlamaModel] attention_mask must be ",
                 ids.sizes(), ", got ", attention_mask.sizes());
-    at::Tensor causal = at::ones({T, T}, at::kBool).tril();
-    at::Tensor keys = attention_mask.to(at::kBool).view({B, 1, 1, T});
+    const auto bools = at::TensorOptions(at::kBool).device(x.device());
+    at::Tensor causal = at::ones({T, T}, bools).tril();
+    at::Tensor keys = attention_mask.to(x.device(), at::kBool).view({B, 1, 1, T});
     // A query row whose keys are all padding (left padding) attends to itself instead of
     // producing NaN; its output is never a prediction target.
-    mask = (causal & keys) | at::eye(T, at::kBool);
+    mask = (causal & keys) | at::eye(T, bools);
   }
   for (auto& layer : layers) x = (*layer)(x, cos, sin, mask);
   return (*norm)(x);

@@ -4,6 +4,7 @@
 #include "nn/group_capsule.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/Generator.h>
 #include <c10/util/Exception.h>
@@ -12,6 +13,7 @@
 
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -28,56 +30,68 @@ struct RecomputeScope {
   ~RecomputeScope() { --recompute_depth; }
 };
 
-at::Tensor get_cpu_rng_state() {
-  auto gen = at::detail::getDefaultCPUGenerator();
+// The default generator of `device` (the CPU's, or a CUDA device's: generic ATen, so this
+// file needs no CUDA header; a CUDA generator exists only in a CUDA build).
+at::Generator default_generator(c10::Device device) {
+  if (device.is_cpu()) return at::detail::getDefaultCPUGenerator();
+  return at::globalContext().defaultGenerator(device);
+}
+
+at::Tensor get_rng_state(c10::Device device) {
+  at::Generator gen = default_generator(device);
   std::lock_guard<std::mutex> lock(gen.mutex());
   return gen.get_state();
 }
 
-void set_cpu_rng_state(const at::Tensor& state) {
-  auto gen = at::detail::getDefaultCPUGenerator();
+void set_rng_state(c10::Device device, const at::Tensor& state) {
+  at::Generator gen = default_generator(device);
   std::lock_guard<std::mutex> lock(gen.mutex());
   gen.set_state(state);
 }
 
-// Puts `saved` in the default CPU generator for its lifetime, then the state it found back (also
-// when the recompute throws), so checkpointing leaves the RNG stream exactly where the plain
-// model would.
+// Puts `saved` in `device`'s default generator for its lifetime, then the state it found back
+// (also when the recompute throws), so checkpointing leaves the RNG stream exactly where the
+// plain model would.
 class RngStateSwap {
  public:
-  explicit RngStateSwap(const at::Tensor& saved) : current_(get_cpu_rng_state()) {
-    set_cpu_rng_state(saved);
+  RngStateSwap(c10::Device device, const at::Tensor& saved)
+      : device_(device), current_(get_rng_state(device)) {
+    set_rng_state(device_, saved);
   }
-  ~RngStateSwap() { set_cpu_rng_state(current_); }
+  ~RngStateSwap() { set_rng_state(device_, current_); }
   RngStateSwap(const RngStateSwap&) = delete;
   RngStateSwap& operator=(const RngStateSwap&) = delete;
 
  private:
+  c10::Device device_;
   at::Tensor current_;
 };
 
-// CPU autocast (bf16-/16-mixed outside FSDP) as it was when the block ran forward, for the recompute:
-// backward runs outside the autocast scope, and a recompute in fp32 would not reproduce the bf16
-// forward. Nesting is counted like an autocast scope so cached weight casts are dropped after.
+// Autocast of one device type (bf16-/16-mixed outside FSDP: CPU or CUDA autocast) as it was
+// when the block ran forward, for the recompute: backward runs outside the autocast scope, and
+// a recompute in fp32 would not reproduce the bf16 forward. Nesting is counted like an
+// autocast scope so cached weight casts are dropped after.
 class AutocastSwap {
  public:
-  AutocastSwap(bool enabled, at::ScalarType dtype)
-      : enabled_(enabled),
-        prev_enabled_(at::autocast::is_autocast_enabled(at::kCPU)),
-        prev_dtype_(at::autocast::get_autocast_dtype(at::kCPU)) {
-    at::autocast::set_autocast_enabled(at::kCPU, enabled);
-    at::autocast::set_autocast_dtype(at::kCPU, dtype);
+  AutocastSwap(c10::DeviceType type, bool enabled, at::ScalarType dtype)
+      : type_(type),
+        enabled_(enabled),
+        prev_enabled_(at::autocast::is_autocast_enabled(type)),
+        prev_dtype_(at::autocast::get_autocast_dtype(type)) {
+    at::autocast::set_autocast_enabled(type_, enabled);
+    at::autocast::set_autocast_dtype(type_, dtype);
     if (enabled_) at::autocast::increment_nesting();
   }
   ~AutocastSwap() {
     if (enabled_ && at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
-    at::autocast::set_autocast_enabled(at::kCPU, prev_enabled_);
-    at::autocast::set_autocast_dtype(at::kCPU, prev_dtype_);
+    at::autocast::set_autocast_enabled(type_, prev_enabled_);
+    at::autocast::set_autocast_dtype(type_, prev_dtype_);
   }
   AutocastSwap(const AutocastSwap&) = delete;
   AutocastSwap& operator=(const AutocastSwap&) = delete;
 
  private:
+  c10::DeviceType type_;
   bool enabled_;
   bool prev_enabled_;
   at::ScalarType prev_dtype_;
@@ -93,8 +107,9 @@ struct ModuleRef : torch::CustomClassHolder {
 // --------------------------
 // forward   runs module.forward(inputs) with grad disabled (Function::apply does that), so no
 //           activation of the block is saved; saves the inputs (save_for_backward) and the
-//           default CPU generator's state taken just before the block ran, and the CPU
-//           autocast state (bf16-mixed under DDP/single).
+//           default CPU generator's state taken just before the block ran (and the CUDA
+//           device's, when the block's inputs are on one), and the CPU and CUDA autocast
+//           states (bf16-mixed under DDP/single).
 // backward  detaches the saved inputs (leaves that require grad where the originals did), swaps
 //           the saved RNG state (and autocast state) in, re-runs module.forward with grad
 //           enabled (same dropout masks, same dtypes), swaps the current state back, then
@@ -152,10 +167,20 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     }
     ctx->saved_data["partitioned"] = partitioned;
     ctx->saved_data["module"] = std::move(module_ref);
-    ctx->saved_data["rng_state"] = get_cpu_rng_state();
+    ctx->saved_data["rng_state"] = get_rng_state(c10::Device(c10::kCPU));
+    // A block computing on a CUDA device draws its dropout masks from that device's generator.
+    for (const at::Tensor& t : tensors) {
+      if (!t.is_cuda()) continue;
+      ctx->saved_data["cuda_rng_device"] = static_cast<int64_t>(t.device().index());
+      ctx->saved_data["cuda_rng_state"] = get_rng_state(t.device());
+      break;
+    }
     ctx->saved_data["autocast"] = at::autocast::is_autocast_enabled(at::kCPU);
     ctx->saved_data["autocast_dtype"] =
         static_cast<int64_t>(at::autocast::get_autocast_dtype(at::kCPU));
+    ctx->saved_data["autocast_cuda"] = at::autocast::is_autocast_enabled(at::kCUDA);
+    ctx->saved_data["autocast_cuda_dtype"] =
+        static_cast<int64_t>(at::autocast::get_autocast_dtype(at::kCUDA));
     ctx->saved_data["slots"] = slots;
     ctx->saved_data["n"] = n;
     ctx->save_for_backward(to_save);
@@ -216,9 +241,18 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     }
     at::Tensor output;
     {
-      RngStateSwap rng(rng_state);
-      AutocastSwap autocast(ctx->saved_data["autocast"].toBool(),
+      RngStateSwap rng(c10::Device(c10::kCPU), rng_state);
+      std::optional<RngStateSwap> cuda_rng;
+      if (ctx->saved_data.count("cuda_rng_state")) {
+        cuda_rng.emplace(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(
+                                                     ctx->saved_data["cuda_rng_device"].toInt())),
+                         ctx->saved_data["cuda_rng_state"].toTensor());
+      }
+      AutocastSwap autocast(c10::DeviceType::CPU, ctx->saved_data["autocast"].toBool(),
                             static_cast<at::ScalarType>(ctx->saved_data["autocast_dtype"].toInt()));
+      AutocastSwap autocast_cuda(
+          c10::DeviceType::CUDA, ctx->saved_data["autocast_cuda"].toBool(),
+          static_cast<at::ScalarType>(ctx->saved_data["autocast_cuda_dtype"].toInt()));
       RecomputeScope scope;
       at::AutoGradMode grad(true);
       output = m->forward(detached);

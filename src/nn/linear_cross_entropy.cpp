@@ -68,7 +68,7 @@ struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropy
     ctx->save_for_backward({hidden, weight, bias_or_empty, target});
     // Under CPU autocast forward's logits came from the autocast dtype: backward recomputes them
     // in it too (the autograd engine does not necessarily run backward under autocast).
-    ctx->saved_data["autocast_dtype"] = detail::cpu_autocast_dtype_code();
+    ctx->saved_data["autocast_dtype"] = detail::autocast_dtype_code(hidden);
     ctx->saved_data["ignore_index"] = ignore_index;
     ctx->saved_data["chunk"] = chunk;
     ctx->saved_data["count"] = count;

@@ -14,12 +14,13 @@ inline at::ScalarType accumulate_dtype(const at::Tensor& t) {
   return t.element_size() < 4 ? at::kFloat : t.scalar_type();
 }
 
-// The CPU autocast dtype in force now, as an int64 for an autograd context's saved_data
-// (Undefined: autocast is off). Backward, which the engine does not necessarily run under
-// autocast, recomputes logits in the dtype forward used.
-inline int64_t cpu_autocast_dtype_code() {
-  return static_cast<int64_t>(at::autocast::is_autocast_enabled(at::kCPU)
-                                  ? at::autocast::get_autocast_dtype(at::kCPU)
+// The autocast dtype in force now for `t`'s device type (CPU or CUDA autocast), as an int64
+// for an autograd context's saved_data (Undefined: autocast is off). Backward, which the engine
+// does not necessarily run under autocast, recomputes logits in the dtype forward used.
+inline int64_t autocast_dtype_code(const at::Tensor& t) {
+  const c10::DeviceType type = t.device().type();
+  return static_cast<int64_t>(at::autocast::is_autocast_enabled(type)
+                                  ? at::autocast::get_autocast_dtype(type)
                                   : at::ScalarType::Undefined);
 }
 

@@ -1,7 +1,9 @@
 #include "shard/fsdp_param.h"
 
 #include <ATen/native/Resize.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/InferenceMode.h>
+#include <c10/core/StorageImpl.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -18,6 +20,24 @@ struct ModuleAccess : torch::nn::Module {
     return m.*(&ModuleAccess::parameters_);
   }
 };
+
+// Resizes the storage of an unsharded parameter to `nbytes`: 0 (reshard) or its full size
+// (unshard). CPU: at::native::resize_bytes_cpu. Another device (CUDA): a block of `nbytes`
+// from the storage's own allocator (the caching allocator, on the current stream) replaces the
+// old one, which is freed. The values are not kept: reshard drops them and unshard writes
+// every byte right after (the all-gather's copy-out).
+void resize_storage_bytes(const at::Tensor& t, size_t nbytes) {
+  c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+  if (storage->device().is_cpu()) {
+    at::native::resize_bytes_cpu(storage, nbytes);
+    return;
+  }
+  if (storage->nbytes() == nbytes) return;
+  c10::DeviceGuard guard(storage->device());
+  storage->set_data_ptr_noswap(nbytes == 0 ? at::DataPtr(nullptr, storage->device())
+                                           : storage->allocator()->allocate(nbytes));
+  storage->set_nbytes(nbytes);
+}
 
 }  // namespace
 
@@ -106,12 +126,12 @@ void FsdpParam::shard() {
 
 void FsdpParam::free_unsharded() {
   if (aliased()) return;
-  at::native::resize_bytes_cpu(unsharded_.storage().unsafeGetStorageImpl(), 0);
+  resize_storage_bytes(unsharded_, 0);
 }
 
 void FsdpParam::alloc_unsharded() {
   if (aliased()) return;
-  at::native::resize_bytes_cpu(unsharded_.storage().unsafeGetStorageImpl(), full_nbytes());
+  resize_storage_bytes(unsharded_, static_cast<size_t>(full_nbytes()));
 }
 
 bool FsdpParam::unsharded_allocated() const {

@@ -23,8 +23,8 @@ namespace fsdp::detail {
 //                          original requires_grad. Forward and backward compute with P.
 //                          Its storage holds memory only while its unit is unsharded: reshard
 //                          resizes the storage to 0 bytes, unshard resizes it back
-//                          (at::native::resize_bytes_cpu, what Python's storage().resize_()
-//                          does) and writes the all-gathered values through P.variable_data(),
+//                          (what Python's storage().resize_() does: resize_bytes_cpu on the
+//                          CPU, a block of the storage's allocator on CUDA) and writes the all-gathered values through P.variable_data(),
 //                          so P's version counter does not move and the tensors autograd saved
 //                          in forward (views like weight.t(), which share P's StorageImpl) see
 //                          the refilled values in backward. A plain copy_ into P would bump the

@@ -37,7 +37,11 @@ FSDPStrategy::~FSDPStrategy() { detail::end_deferred_init(*this); }
 
 void FSDPStrategy::enter_configure_model() {
   impl_->manual_units.clear();
-  detail::begin_deferred_init(*this);  // See Note [Deferred initialization] in deferred_init.cpp.
+  // See Note [Deferred initialization] in deferred_init.cpp. Not on CUDA yet: the Trainer moves
+  // the model built on the host to the device before setup_module (Note [Moving the model to
+  // the device] in src/train/trainer.cpp).
+  if (device().is_cuda()) return;
+  detail::begin_deferred_init(*this);
 }
 
 void FSDPStrategy::exit_configure_model() { detail::end_deferred_init(*this); }
@@ -172,8 +176,10 @@ void FSDPStrategy::setup_module(LightningModule& module) {
   impl_->state = std::move(state);
   warn_if_no_unit(*impl_->state, options_, name_, world_rank);
 
-  // Refuse a configuration that cannot fit before anything is allocated for it.
-  const int64_t budget = memory_budget();
+  // Refuse a configuration that cannot fit before anything is allocated for it. The budget is
+  // host memory (fsdp/memory.h): model state on a CUDA device is not checked against it
+  // (docs/gpu.md).
+  const int64_t budget = device().is_cuda() ? 0 : memory_budget();
   if (budget > 0) {
     // Tiers on disk are left out: the disk tier checks its own buffers against the budget
     // (Note [Disk tier swapper], Note [Parameters on disk] in docs/design.md).
@@ -220,6 +226,10 @@ void FSDPStrategy::setup_module(LightningModule& module) {
 // accelerator not implemented.
 void FSDPStrategy::check_host_offload(LightningModule& module) {
   const OffloadPolicy& policy = options_.offload_policy;
+  TORCH_CHECK(!device().is_cuda() || !policy.any(), "[", name_, "] offload_policy (",
+              "parameters and optimizer state in host memory or on disk) from a CUDA device is "
+              "not on CUDA yet (docs/gpu.md); train on the GPU without offload, or with "
+              "accelerator='cpu'");
   const bool params = policy.params == OffloadDevice::kCpu;
   const bool optim = policy.optimizer == OffloadDevice::kCpu;
   if (!params && !optim) return;

@@ -29,15 +29,19 @@ void ShardedGradScaler::unscale(torch::optim::Optimizer& optimizer) {
   const double inv = 1.0 / scale_;
   // 1.0 when any local gradient element is inf or nan. Computed in fp32 whatever the grads'
   // dtype, so a bf16/fp16 overflow is seen.
-  at::Tensor found = at::zeros({1}, at::kFloat);
+  bool local_found = false;
   for (auto& group : optimizer.param_groups()) {
     for (auto& p : group.params()) {
       if (!p.grad().defined()) continue;
       at::Tensor g = p.mutable_grad();
-      if (!at::isfinite(g).all().item<bool>()) found.fill_(1.0);
+      if (!at::isfinite(g).all().item<bool>()) local_found = true;
       g.mul_(inv);
     }
   }
+  // On the group's device (a CUDA device for NCCL).
+  const c10::Device device = group_ ? group_->device() : c10::Device(c10::kCPU);
+  at::Tensor found =
+      at::full({1}, local_found ? 1.0 : 0.0, at::TensorOptions(at::kFloat).device(device));
   // Every rank holds different shards: agree on one answer, so all skip (or step) together.
   if (group_ && group_->size() > 1) group_->all_reduce(found, ReduceOp::kMax);
   found_inf_ = found.item<float>() > 0;

@@ -177,23 +177,23 @@ void check_optimizer_precision(const torch::optim::Optimizer& optimizer, Precisi
   }
 }
 
-CpuAutocastGuard::CpuAutocastGuard(std::optional<at::ScalarType> dtype)
-    : enabled_(dtype.has_value()) {
+AutocastGuard::AutocastGuard(c10::DeviceType device_type, std::optional<at::ScalarType> dtype)
+    : device_type_(device_type), enabled_(dtype.has_value()) {
   if (!enabled_) return;
-  prev_enabled_ = at::autocast::is_autocast_enabled(at::kCPU);
-  prev_dtype_ = at::autocast::get_autocast_dtype(at::kCPU);
-  at::autocast::set_autocast_enabled(at::kCPU, true);
-  at::autocast::set_autocast_dtype(at::kCPU, *dtype);
+  prev_enabled_ = at::autocast::is_autocast_enabled(device_type_);
+  prev_dtype_ = at::autocast::get_autocast_dtype(device_type_);
+  at::autocast::set_autocast_enabled(device_type_, true);
+  at::autocast::set_autocast_dtype(device_type_, *dtype);
   at::autocast::increment_nesting();
 }
 
-CpuAutocastGuard::~CpuAutocastGuard() {
+AutocastGuard::~AutocastGuard() {
   if (!enabled_) return;
   // Outermost guard: drop the cached low-precision copies of the fp32 weights (they change
   // every step).
   if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
-  at::autocast::set_autocast_enabled(at::kCPU, prev_enabled_);
-  at::autocast::set_autocast_dtype(at::kCPU, prev_dtype_);
+  at::autocast::set_autocast_enabled(device_type_, prev_enabled_);
+  at::autocast::set_autocast_dtype(device_type_, prev_dtype_);
 }
 
 DefaultDtypeGuard::DefaultDtypeGuard(std::optional<at::ScalarType> dtype) {

@@ -21,7 +21,10 @@ RowRange shard_row_range(int64_t dim0, int64_t shard_rows, int rank) {
 double clip_grad_norm_of_parts(const std::vector<at::Tensor>& grads, ProcessGroup& group,
                                double max_norm) {
   at::NoGradGuard no_grad;
-  at::Tensor total = at::zeros({1}, at::kDouble);
+  // On the gradients' device (the sum stays there until item()); the group stages it when
+  // it lives elsewhere (Note [Staging device tensors]).
+  const c10::Device device = grads.empty() ? group.device() : grads.front().device();
+  at::Tensor total = at::zeros({1}, at::TensorOptions(at::kDouble).device(device));
   for (const auto& g : grads) total += g.detach().to(at::kDouble).pow(2).sum();
   if (group.size() > 1) group.all_reduce(total, ReduceOp::kSum);
   const double norm = std::sqrt(total.item<double>());
@@ -34,9 +37,11 @@ double clip_grad_norm_of_parts(const std::vector<at::Tensor>& grads, ProcessGrou
 
 at::Tensor Strategy::reduce(const at::Tensor& value, ReduceOp op) {
   if (!world_ || world_->size() == 1) return value;
-  at::Tensor out = value.detach().clone().contiguous();
+  // On the group's device (host values to a CUDA device for NCCL), then back.
+  at::Tensor out = value.detach().to(world_->device(), /*non_blocking=*/false, /*copy=*/true)
+                       .contiguous();
   world_->all_reduce(out, op);
-  return out;
+  return out.to(value.device());
 }
 
 void Strategy::barrier() {

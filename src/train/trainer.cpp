@@ -9,7 +9,9 @@
 #include "common/text.h"
 #include "cuda/cuda_api.h"
 #include "fsdp/comm.h"
+#include "fsdp/cpu_adam.h"
 #include "fsdp/memory.h"
+#include "fsdp/optim8bit.h"
 #include "fsdp/precision.h"
 #include "train/metrics.h"
 #include "train/progress_bar.h"
@@ -36,17 +38,45 @@ bool contains(const std::vector<std::string>& v, const std::string& x) {
 
 void check_precision(const std::string& p) { check_precision_supported(parse_precision(p)); }
 
-// The device rules live in src/common/device_choice.h. A CUDA device chosen is refused here:
-// the strategies, optimizers and checkpoints still assume CPU tensors (docs/gpu.md).
-void check_accelerator(const TrainerOptions& o) {
+// The device rules live in src/common/device_choice.h; checked here for local rank 0 before
+// launching, so a bad accelerator fails once. Returns the choice.
+detail::DeviceChoice check_accelerator(const TrainerOptions& o, const std::string& backend) {
   const detail::DeviceFacts facts{detail::cuda_built(), detail::cuda_device_count()};
-  const detail::DeviceChoice choice = detail::choose_device(
-      o.accelerator, /*local_rank=*/0, std::max(o.devices, 1), o.process_group_backend, facts);
-  TORCH_CHECK(!choice.cuda, "[Trainer] accelerator '", o.accelerator, "' chose cuda:",
-              choice.index, ", but training is not on CUDA yet: this build has the NCCL process "
-              "group, device selection and device memory statistics, while the strategies, "
-              "optimizers and checkpoints still assume CPU tensors (docs/gpu.md). Use "
-              "accelerator='cpu' (--accelerator cpu).");
+  return detail::choose_device(o.accelerator, /*local_rank=*/0, std::max(o.devices, 1), backend,
+                               facts);
+}
+
+// Note [Moving the model to the device]
+// --------------------------------------
+// configure_model builds the model on the host; the Trainer moves it to the rank's CUDA device
+// (torch::nn::Module::to: every parameter and buffer keeps its identity) before the strategy
+// sets it up, so DDP's buckets and FSDP's shards are allocated on the device from then on. The
+// whole model passes through the device once: FSDP's deferred init, which shards units while
+// they are built, is off on CUDA (Note [Deferred initialization]). What is not on CUDA yet is
+// refused here, never run on the host behind the user's back: QLoRA's 4-bit layers (uint8
+// parameters or buffers) and host-only optimizers (checked after configure_optimizers).
+void move_to_device(torch::nn::Module& module, c10::Device device) {
+  for (const auto& p : module.named_parameters(/*recurse=*/true)) {
+    TORCH_CHECK(p.value().scalar_type() != at::kByte, "[Trainer] parameter '", p.key(),
+                "' is uint8 (a 4-bit quantized layer): QLoRA's 4-bit layers are not on CUDA yet "
+                "(docs/gpu.md); use accelerator='cpu'");
+  }
+  for (const auto& b : module.named_buffers(/*recurse=*/true)) {
+    TORCH_CHECK(b.value().scalar_type() != at::kByte, "[Trainer] buffer '", b.key(),
+                "' is uint8 (a 4-bit quantized layer): QLoRA's 4-bit layers are not on CUDA yet "
+                "(docs/gpu.md); use accelerator='cpu'");
+  }
+  module.to(device);
+}
+
+// Optimizers whose step runs on host memory only.
+void check_optimizer_on_cuda(torch::optim::Optimizer& optimizer) {
+  const char* name =
+      dynamic_cast<optim::CPUAdam*>(&optimizer) ? "fsdp::optim::CPUAdam (--optimizer cpu_adam)"
+      : dynamic_cast<AdamW8bit*>(&optimizer)    ? "fsdp::AdamW8bit (--optim adamw_8bit)"
+                                                : nullptr;
+  TORCH_CHECK(!name, "[Trainer] the optimizer ", name, " steps host memory and is not on CUDA "
+              "yet (docs/gpu.md); use torch::optim::Adam / AdamW on CUDA, or accelerator='cpu'");
 }
 
 void check_limit(const char* name, double v) {
@@ -62,8 +92,9 @@ void check_limit(const char* name, double v) {
 // checked its value).
 std::string resolve_backend(const std::string& option, const detail::Settings& settings) {
   const std::string b = option == "auto" && !settings.backend.empty() ? settings.backend : option;
-  TORCH_CHECK(b == "auto" || b == "gloo" || b == "mpi", "[Trainer] unknown process group backend '",
-              b, "'; valid values: 'auto', 'gloo', 'mpi'");
+  TORCH_CHECK(b == "auto" || b == "gloo" || b == "mpi" || b == "nccl",
+              "[Trainer] unknown process group backend '", b,
+              "'; valid values: 'auto', 'gloo', 'mpi', 'nccl'");
   return b;
 }
 
@@ -77,7 +108,7 @@ bool announces_backend(const detail::Settings& settings) {
 }
 
 void check_options(const TrainerOptions& o) {
-  check_accelerator(o);
+  check_accelerator(o, o.process_group_backend);
   check_precision(o.precision);
   TORCH_CHECK(o.devices >= 1, "[Trainer] devices must be >= 1, got ", o.devices);
   TORCH_CHECK(o.num_nodes >= 1, "[Trainer] num_nodes must be >= 1, got ", o.num_nodes);
@@ -151,8 +182,27 @@ Trainer::Trainer(TrainerOptions options) : options_(std::move(options)) {
   // See Note [Backend auto] in comm/backend_choice.cpp.
   const detail::BackendFacts facts =
       detail::backend_facts(requested, options_.devices, options_.num_nodes, *settings);
-  const detail::BackendChoice choice = detail::choose_backend(facts);
+  detail::BackendChoice choice = detail::choose_backend(facts);
+  // On CUDA devices "auto" is NCCL, one rank per GPU; ranks sharing a GPU (NCCL refuses two
+  // ranks of one communicator on one device) use Gloo, staging CUDA tensors through host memory.
+  const detail::DeviceChoice device0 = check_accelerator(options_, requested);
+  if (device0.cuda && requested == "auto") {
+    const int visible = detail::cuda_device_count();
+    choice.relaunch_through_mpirun = false;
+    if (options_.devices <= visible) {
+      choice.backend = "nccl";
+      choice.reason = "CUDA devices, one per rank";
+    } else {
+      choice.backend = "gloo";
+      choice.reason = std::to_string(options_.devices) + " ranks share " +
+                      std::to_string(visible) + " CUDA device(s): NCCL allows one rank per "
+                      "device, so Gloo with CUDA tensors staged through host memory";
+    }
+  }
   const std::string& backend = choice.backend;
+  TORCH_CHECK(backend != "nccl" || device0.cuda, "[Trainer] backend 'nccl' moves CUDA tensors, "
+              "but this run trains on the CPU (accelerator '", options_.accelerator, "'); use "
+              "accelerator 'cuda' in a CUDA build (docs/gpu.md), or backend 'gloo' or 'mpi'");
   if (requested == "auto" && facts.world_size > 1 && announces_backend(*settings)) {
     std::cerr << detail::describe(choice, requested) << std::endl;
   }
@@ -162,7 +212,18 @@ Trainer::Trainer(TrainerOptions options) : options_(std::move(options)) {
   lo.num_nodes = options_.num_nodes;
   lo.backend = backend;
   launch_ = launch(lo);  // devices > 1: from here on this code runs in every rank
-  if (launch_.rank == 0) {
+  {
+    // This rank's device: cuda:(local_rank % visible devices), or the CPU.
+    const detail::DeviceChoice d = detail::choose_device(
+        options_.accelerator, launch_.local_rank, std::max(launch_.local_world_size, 1), backend,
+        detail::DeviceFacts{detail::cuda_built(), detail::cuda_device_count()});
+    if (d.cuda) {
+      detail::set_cuda_device(d.index);
+      device_ = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(d.index));
+      if (launch_.rank == 0 && !d.notice.empty()) std::cerr << "[fsdp] " << d.notice << std::endl;
+    }
+  }
+  if (launch_.rank == 0 && !device_.is_cuda()) {  // a warning about the CPU's fp16 kernels
     if (auto warning = precision_performance_warning(parse_precision(options_.precision))) {
       std::cerr << *warning << std::endl;
     }
@@ -196,6 +257,7 @@ Trainer::Trainer(TrainerOptions options) : options_(std::move(options)) {
   strategy_->configure_trainer(options_);
   check_options(options_);
   strategy_->connect(world_, launch_);
+  strategy_->set_device(device_);
 }
 
 Trainer::~Trainer() = default;
@@ -237,10 +299,19 @@ void Trainer::setup_model(LightningModule& module) {
       if (t.is_floating_point() && t.scalar_type() != *true_dtype) t.set_data(t.to(*true_dtype));
     }
   }
+  if (device_.is_cuda()) move_to_device(module, device_);
   strategy_->setup_module(module);
   // Full shapes (FSDP's deferred init shards units inside configure_model already).
   std::tie(results_.params, results_.trainable_params) = strategy_->parameter_counts(module);
   configured_module_ = &module;
+}
+
+Batch Trainer::on_device(const Batch& batch) const {
+  if (!device_.is_cuda()) return batch;
+  Batch b = batch;
+  if (b.input.defined()) b.input = b.input.to(device_);
+  if (b.target.defined()) b.target = b.target.to(device_);
+  return b;
 }
 
 std::unique_ptr<EmptyInitGuard> Trainer::init_module(bool empty_init) const {
@@ -355,7 +426,7 @@ void Trainer::fit_impl(LightningModule& module, DataLoader& train_loader,
          batch_idx < L.batches_per_epoch; ++batch_idx) {
       const bool last_batch = batch_idx + 1 == L.batches_per_epoch;
       const bool boundary = (batch_idx + 1) % k == 0 || last_batch;
-      train_micro_batch(L, train_loader.batch(batch_idx), batch_idx, boundary);
+      train_micro_batch(L, on_device(train_loader.batch(batch_idx)), batch_idx, boundary);
       if (boundary) {
         optimizer_step(L);
         report_step(L);
@@ -404,6 +475,7 @@ std::unique_ptr<Trainer::FitLoop> Trainer::setup_fit(LightningModule& module,
               "return {std::make_shared<torch::optim::Adam>(parameters(), ...)}");
   const Precision precision = parse_precision(o.precision);
   check_optimizer_precision(*opt.optimizer, precision);
+  if (device_.is_cuda()) check_optimizer_on_cuda(*opt.optimizer);
   strategy_->setup_optimizer(*opt.optimizer);
   // 16-mixed: dynamic loss scaling over the world (found-inf agreed by every rank), resumed
   // from the checkpoint below.
@@ -429,6 +501,7 @@ std::unique_ptr<Trainer::FitLoop> Trainer::setup_fit(LightningModule& module,
   L.setup_peak_rss = peak_rss_bytes();
   reset_peak_memory_stats();
   reset_peak_rss();
+  if (device_.is_cuda()) detail::reset_device_peak(device_.index());
   L.start_epoch = next_epoch_;
   current_epoch_ = next_epoch_;  // on_fit_start sees the resumed epoch, as in Lightning
   L.start_batch = next_batch_;
@@ -495,7 +568,7 @@ void Trainer::train_micro_batch(FitLoop& L, const Batch& batch, int64_t batch_id
   at::Tensor loss;
   {
     MemoryCategoryGuard category(MemoryCategory::kActivations);  // Note [Memory categories]
-    CpuAutocastGuard autocast(cpu_autocast_);
+    AutocastGuard autocast(device_.type(), cpu_autocast_);
     loss = L.module.training_step(batch, batch_idx);
   }
   TORCH_CHECK(loss.defined() && loss.numel() == 1,
@@ -603,28 +676,23 @@ void Trainer::finish_fit(FitLoop& L) {
   RankMemory mem = gather_memory(*world_);
   results_.peak_alloc_bytes = mem.peak_bytes;
   {
-    at::Tensor mine = at::empty({kNumMemoryCategories}, at::kLong);
-    for (int c = 0; c < kNumMemoryCategories; ++c) mine[c] = stats.peak_by_category[c];
-    at::Tensor all = at::empty({kNumMemoryCategories * world_size()}, at::kLong);
-    world_->all_gather_into_tensor(all, mine);
+    const std::vector<int64_t> all = all_gather_values(
+        *world_, std::vector<int64_t>(stats.peak_by_category.begin(),
+                                      stats.peak_by_category.begin() + kNumMemoryCategories));
     for (int r = 0; r < world_size(); ++r) {
       std::array<int64_t, kNumMemoryCategories> bytes{};
-      for (int c = 0; c < kNumMemoryCategories; ++c) {
-        bytes[c] = all[r * kNumMemoryCategories + c].item<int64_t>();
-      }
+      for (int c = 0; c < kNumMemoryCategories; ++c) bytes[c] = all[r * kNumMemoryCategories + c];
       results_.peak_breakdown_bytes.push_back(by_category_map(bytes));
     }
   }
   results_.peak_rss_bytes = mem.peak_rss_bytes;
+  results_.device_peak_bytes = mem.device_peak_bytes;
   {
-    at::Tensor mine = at::empty({2}, at::kLong);
-    mine[0] = L.setup_peak_alloc;
-    mine[1] = L.setup_peak_rss;
-    at::Tensor all = at::empty({2 * world_size()}, at::kLong);
-    world_->all_gather_into_tensor(all, mine);
+    const std::vector<int64_t> all =
+        all_gather_values(*world_, {L.setup_peak_alloc, L.setup_peak_rss});
     for (int r = 0; r < world_size(); ++r) {
-      results_.setup_peak_alloc_bytes.push_back(all[2 * r].item<int64_t>());
-      results_.setup_peak_rss_bytes.push_back(all[2 * r + 1].item<int64_t>());
+      results_.setup_peak_alloc_bytes.push_back(all[2 * r]);
+      results_.setup_peak_rss_bytes.push_back(all[2 * r + 1]);
     }
   }
   if (!options_.enable_summary) return;
@@ -679,10 +747,10 @@ std::map<std::string, double> Trainer::evaluate(LightningModule& module, DataLoa
   detail::MetricTracker metrics(*strategy_);
   metrics.start_epoch();
   for (int64_t i = 0; i < n; ++i) {
-    const Batch batch = loader.batch(i);
+    const Batch batch = on_device(loader.batch(i));
     strategy_->pre_forward(module, /*sync=*/false);
     module.logged().clear();
-    CpuAutocastGuard autocast(cpu_autocast_);
+    AutocastGuard autocast(device_.type(), cpu_autocast_);
     if (stage == "val") {
       module.validation_step(batch, i);
     } else {
@@ -704,11 +772,11 @@ std::vector<at::Tensor> Trainer::predict(LightningModule& module, DataLoader& lo
   torch::NoGradGuard no_grad;
   std::vector<at::Tensor> outputs;
   for (int64_t i = 0; i < loader.num_batches(); ++i) {
-    const Batch batch = loader.batch(i);
+    const Batch batch = on_device(loader.batch(i));
     strategy_->pre_forward(module, /*sync=*/false);
     at::Tensor out;
     {
-      CpuAutocastGuard autocast(cpu_autocast_);
+      AutocastGuard autocast(device_.type(), cpu_autocast_);
       out = module.predict_step(batch, i);
     }
     strategy_->post_eval_step(module);

@@ -246,6 +246,9 @@ void DeepSpeedStrategy::setup_module(LightningModule& module) {
   if (!world_) connect(world_group(), launch_);
   TORCH_CHECK(world_, "[deepspeed] no process group: call connect(world, launch) (the Trainer "
               "does) or fsdp::init_process_group() first");
+  TORCH_CHECK(!device().is_cuda(), "[deepspeed] the DeepSpeed strategies (ZeRO stages 1-3 and "
+              "their offload) are not on CUDA yet (docs/gpu.md); on a GPU use strategy 'fsdp' "
+              "(FULL_SHARD is ZeRO-3, SHARD_GRAD_OP ZeRO-2) or 'ddp', or accelerator='cpu'");
   impl_->module = &module;
   auto params = unique_params(module);
 
