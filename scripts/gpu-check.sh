@@ -12,7 +12,7 @@
 #   FSDP_GPU_JOBS     compile jobs                          (nproc)
 #   FSDP_GPU_ARCH     TORCH_CUDA_ARCH_LIST                  (9.0: H100/H200)
 #   FSDP_GPU_DEPS     the unpacked packages of gpu-deps.sh  (gpu-deps)
-#   FSDP_GPU_CONFIGURE_S / FSDP_GPU_BUILD_S / FSDP_GPU_TEST_S  stage limits (60 / 390 / 60 s)
+#   FSDP_GPU_CONFIGURE_S / FSDP_GPU_BUILD_S / FSDP_GPU_TEST_S  stage limits (60 / 330 / 150 s)
 set -uo pipefail
 root=$(pwd)
 py=${FSDP_GPU_PYTHON:-/opt/torch/.venv/bin/python3}
@@ -72,10 +72,10 @@ stage configure "${FSDP_GPU_CONFIGURE_S:-60}" \
     -DFSDP_NCCL_ROOT="$nccl_root" -DCUDAToolkit_ROOT="$cuda_home" -DCUDA_TOOLKIT_ROOT_DIR="$cuda_home" \
     -DCMAKE_CUDA_COMPILER="$cuda_home/bin/nvcc" -DCUDA_nvrtc_LIBRARY="$nvrtc" \
     -DTORCH_CUDA_ARCH_LIST="$arch"
-stage build "${FSDP_GPU_BUILD_S:-390}" \
+stage build "${FSDP_GPU_BUILD_S:-330}" \
   cmake --build "$build" -j "$jobs" --target fsdp fsdp-train fsdp-gpu-tests
-stage test "${FSDP_GPU_TEST_S:-60}" \
-  ctest --test-dir "$build" -L gpu --output-on-failure --timeout 60 --output-junit "$(cd "$out" && pwd)/gpu-tests.xml"
+stage test "${FSDP_GPU_TEST_S:-150}" \
+  ctest --test-dir "$build" -L gpu -j 4 --output-on-failure --timeout 140 --output-junit "$(cd "$out" && pwd)/gpu-tests.xml"
 
 # Pass/skip/fail counts from ctest's summary, when the test stage ran.
 counts=$(grep -Eo '[0-9]+% tests passed, [0-9]+ tests failed out of [0-9]+' "$log" | tail -1)
