@@ -61,10 +61,12 @@ class DemoTransformer(nn.Module):
     def positions(self, length, like):
         # pe[pos, 2i] = sin(pos * w_i), pe[pos, 2i+1] = cos(pos * w_i), w_i = 10000^(-2i/E),
         # computed in fp32, then cast to the embeddings' dtype (as Transformer::positional_encoding).
-        position = torch.arange(length, dtype=torch.float).unsqueeze(1)
-        div = torch.exp(torch.arange(0, self.ninp, 2, dtype=torch.float)
+        # on the embeddings' device (a GPU run builds them there)
+        dev = like.device
+        position = torch.arange(length, dtype=torch.float, device=dev).unsqueeze(1)
+        div = torch.exp(torch.arange(0, self.ninp, 2, dtype=torch.float, device=dev)
                         * (-math.log(10000.0) / self.ninp))
-        pe = torch.zeros(length, self.ninp)
+        pe = torch.zeros(length, self.ninp, device=dev)
         pe[:, 0::2] = torch.sin(position * div)
         pe[:, 1::2] = torch.cos(position * div[: self.ninp // 2])
         return pe.to(like.dtype)
@@ -75,7 +77,7 @@ class DemoTransformer(nn.Module):
 
     def forward(self, inputs, target):
         t = target.size(1)
-        mask = torch.full((t, t), float("-inf")).triu_(1)
+        mask = torch.full((t, t), float("-inf"), device=target.device).triu_(1)
         out = self.transformer(self.embed(inputs), self.embed(target), tgt_mask=mask)
         out = self.decoder(out)
         if out.element_size() < 4:
