@@ -458,11 +458,7 @@ void Reducer::record_static_graph(bool have_mask) {
     if (!seen[i]) acc[k++] = i;
   }
   TORCH_INTERNAL_ASSERT(k == n);
-  {
-    at::Tensor sent = order.to(group_->device());  // NCCL: the rank's GPU
-    group_->broadcast(sent, 0);
-    if (!sent.is_same(order)) order.copy_(sent);
-  }
+  broadcast_host(*group_, order, 0);  // through the group's device (NCCL: the rank's GPU)
   std::vector<int> new_order(n);
   for (int64_t i = 0; i < n; ++i) {
     new_order[i] = static_cast<int>(acc[i]);

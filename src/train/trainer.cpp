@@ -56,16 +56,15 @@ detail::DeviceChoice check_accelerator(const TrainerOptions& o, const std::strin
 // refused here, never run on the host behind the user's back: QLoRA's 4-bit layers (uint8
 // parameters or buffers) and host-only optimizers (checked after configure_optimizers).
 void move_to_device(torch::nn::Module& module, c10::Device device) {
-  for (const auto& p : module.named_parameters(/*recurse=*/true)) {
-    TORCH_CHECK(p.value().scalar_type() != at::kByte, "[Trainer] parameter '", p.key(),
-                "' is uint8 (a 4-bit quantized layer): QLoRA's 4-bit layers are not on CUDA yet "
-                "(docs/gpu.md); use accelerator='cpu'");
-  }
-  for (const auto& b : module.named_buffers(/*recurse=*/true)) {
-    TORCH_CHECK(b.value().scalar_type() != at::kByte, "[Trainer] buffer '", b.key(),
-                "' is uint8 (a 4-bit quantized layer): QLoRA's 4-bit layers are not on CUDA yet "
-                "(docs/gpu.md); use accelerator='cpu'");
-  }
+  auto refuse_uint8 = [](const char* kind, const auto& named) {
+    for (const auto& t : named) {
+      TORCH_CHECK(t.value().scalar_type() != at::kByte, "[Trainer] ", kind, " '", t.key(),
+                  "' is uint8 (a 4-bit quantized layer): QLoRA's 4-bit layers are not on CUDA "
+                  "yet (docs/gpu.md); use accelerator='cpu'");
+    }
+  };
+  refuse_uint8("parameter", module.named_parameters(/*recurse=*/true));
+  refuse_uint8("buffer", module.named_buffers(/*recurse=*/true));
   module.to(device);
 }
 
