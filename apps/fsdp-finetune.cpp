@@ -463,7 +463,9 @@ int dry_run(const Args& a) {
                 static_cast<long long>(quantized_elems), fsdp::format_bytes(base_bytes).c_str(),
                 static_cast<double>(base_bytes) / quantized_elems);
   }
-  fsdp::app::print_plan({row});
+  const fsdp::ModelStateBudget budget =
+      fsdp::app::plan_budget(a.common.trainer.accelerator, a.common.trainer.devices);
+  fsdp::app::print_plan({row}, budget);
   const int64_t rss = fsdp::peak_rss_bytes();
   std::cout << "params: base + LoRA; grads: LoRA only; Adam state: "
             << (a.optim == "adamw_torch" ? "AdamW" : "8-bit AdamW")
@@ -479,7 +481,8 @@ int dry_run(const Args& a) {
                            {"sharded_grad_bytes", row.grads}, {"optimizer_bytes", row.optimizer},
                            {"unsharded_peak_bytes", row.extra}, {"total_bytes", row.total()},
                            {"peak_rss_bytes", rss},
-                           {"strategies", fsdp::app::plan_json({row})}});
+                           {"budget", fsdp::app::budget_json(budget)},
+                           {"strategies", fsdp::app::plan_json({row}, budget)}});
   }
   return 0;
 }

@@ -95,7 +95,8 @@ int dry_run(const Args& a, const CommonFlags& flags) {
             << spec.model_vocab_size() << ", world " << a.world() << " (" << t.devices
             << " per node), wrap policy " << a.common.wrap_policy
             << "; nothing allocated (meta device)" << std::endl;
-  fsdp::app::print_plan(rows);
+  const fsdp::ModelStateBudget budget = fsdp::app::plan_budget(t.accelerator, t.devices);
+  fsdp::app::print_plan(rows, budget);
   // The disk tier as the run's strategy would set it up (a DeepSpeed preset's own offload
   // included), else as the offload flags ask; FSDP shards every parameter (no persistent ones).
   fsdp::DeepSpeedOptions disk = options.deepspeed;
@@ -114,7 +115,8 @@ int dry_run(const Args& a, const CommonFlags& flags) {
     fsdp::app::write_json(a.common.summary_json,
                           {{"model", spec.name}, {"params", params},
                            {"vocab_size", spec.model_vocab_size()}, {"world_size", a.world()},
-                           {"peak_rss_bytes", rss}, {"strategies", fsdp::app::plan_json(rows)}});
+                           {"peak_rss_bytes", rss}, {"budget", fsdp::app::budget_json(budget)},
+                           {"strategies", fsdp::app::plan_json(rows, budget)}});
   }
   return disk_fits ? 0 : 1;
 }
@@ -227,6 +229,11 @@ int run(const Args& a, const CommonFlags& flags) {
     j["batch_size"] = B;
     j["precision"] = t.precision;
     j["activation_checkpointing"] = spec.activation_checkpointing;
+    // Tokens per optimizer step over every rank, and per second from it_per_s.
+    const int64_t tokens_per_step = static_cast<int64_t>(B) * a.data.block_size * a.world() *
+                                    t.accumulate_grad_batches;
+    j["tokens_per_step"] = tokens_per_step;
+    j["tokens_per_s"] = r.it_per_s * static_cast<double>(tokens_per_step);
     fsdp::app::write_json(a.common.summary_json, j);
   }
   return 0;

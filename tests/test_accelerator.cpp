@@ -4,7 +4,9 @@
 #include "common/device_choice.h"
 #include "cuda/cuda_api.h"
 #include "fsdp/comm.h"
+#include "fsdp/memory.h"
 #include "fsdp/trainer.h"
+#include "memory/state_budget.h"
 #include "testing.h"
 
 #include <gtest/gtest.h>
@@ -139,4 +141,38 @@ TEST(Accelerator, CpuBuildTypeChecksEveryCudaSource) {
   GTEST_SKIP() << "[fsdp-skip] this build does not type-check the CUDA sources (a CUDA build, "
                   "or no CUDA toolkit / nccl.h at configure time: see the configure output)";
 #endif
+}
+
+// Note [Model-state budget]: on a GPU the budget of a rank's model state is the device's total
+// memory over the local ranks that share it (rank r on r % GPUs); on the CPU, the memory budget.
+TEST(Accelerator, ModelStateBudgetIsTheDevicesShareOrTheHostBudget) {
+  using fsdp::detail::ranks_sharing_device;
+  EXPECT_EQ(ranks_sharing_device(3, 2, 0), 2);  // ranks 0 and 2
+  EXPECT_EQ(ranks_sharing_device(3, 2, 1), 1);
+  EXPECT_EQ(ranks_sharing_device(8, 1, 0), 8);
+  EXPECT_EQ(ranks_sharing_device(2, 4, 3), 0);
+  EXPECT_EQ(ranks_sharing_device(8, 8, 5), 1);
+
+  const int64_t gib = int64_t(1) << 30;
+  const c10::Device cuda0(c10::kCUDA, 0);
+  auto shared = fsdp::detail::device_state_budget(cuda0, 80 * gib, 2);
+  EXPECT_EQ(shared.bytes, 40 * gib);
+  EXPECT_EQ(shared.what, "cuda:0's memory (80.00 GiB, 2 ranks share it)");
+  EXPECT_EQ(shared.more, "or fewer ranks per GPU");
+  auto alone = fsdp::detail::device_state_budget(cuda0, 80 * gib, 1);
+  EXPECT_EQ(alone.bytes, 80 * gib);
+  EXPECT_EQ(alone.what, "cuda:0's memory (80.00 GiB)");
+
+  const int64_t before = fsdp::memory_budget();
+  fsdp::set_memory_budget(3 * gib);
+  auto host = fsdp::model_state_budget(c10::Device(c10::kCPU), 2);
+  EXPECT_EQ(host.bytes, 3 * gib);
+  EXPECT_EQ(host.what, "the memory budget");
+  if (!fsdp::detail::cuda_built()) {  // no device to ask: no device budget
+    EXPECT_EQ(fsdp::model_state_budget(cuda0, 1).bytes, 0);
+  }
+  fsdp::set_memory_budget(0);  // FSDP_MEMORY_BUDGET=0: neither
+  EXPECT_EQ(fsdp::model_state_budget(c10::Device(c10::kCPU), 2).bytes, 0);
+  EXPECT_EQ(fsdp::model_state_budget(cuda0, 1).bytes, 0);
+  fsdp::set_memory_budget(before);
 }

@@ -3,6 +3,7 @@
 // mixed checkpoint files are found on load and by fsdp-ckpt verify/inspect (Note [Checkpoint
 // identity] in src/ckpt/identity.h).
 #include "ckpt/identity.h"
+#include "ckpt/metadata.h"
 #include "ckpt/run_records.h"
 #include "ckpt/safetensors.h"
 #include "fsdp/checkpoint.h"
@@ -467,4 +468,37 @@ TEST(CheckpointSafety, FullFormatWriteErrorIsOneErrorPerRankGlooWorld3) {
   if (fsdp::testing::in_child_rank()) return;
   EXPECT_EQ(fsdp::inspect_checkpoint(ck).progress.global_step, 1);
   EXPECT_TRUE(leftovers(dir).empty());
+}
+
+// Note [Per-rank RNG state]: the CUDA generators' states ("rng_cuda", "rng_cuda_per_rank", saved
+// when the ranks train on CUDA) are read and checked as the CPU ones are: one hex string per
+// rank of world_size, or the checkpoint is named as damaged.
+TEST(CheckpointSafety, CudaRngStatesAreCheckedAsTheCpuOnes) {
+  const nlohmann::json meta = nlohmann::json::parse(R"({"type": "sharded", "world_size": 2,
+      "rng_cpu": "00ff", "rng_cpu_per_rank": ["00ff", "0102"],
+      "rng_cuda": "0a0b0c", "rng_cuda_per_rank": ["0a0b0c", "ffeedd"]})");
+  const auto m = fsdp::ckpt::parse_checkpoint_meta(meta, "ckpt");
+  ASSERT_EQ(m.rng_cuda_per_rank.size(), 2u);
+  EXPECT_EQ(m.rng_cuda, (std::vector<uint8_t>{0x0a, 0x0b, 0x0c}));
+  EXPECT_EQ(m.rng_cuda_per_rank[1], (std::vector<uint8_t>{0xff, 0xee, 0xdd}));
+  EXPECT_EQ(m.rng_cpu_per_rank[1], (std::vector<uint8_t>{0x01, 0x02}));
+
+  auto error_with = [&](const char* key, nlohmann::json value) {
+    nlohmann::json bad = meta;
+    bad[key] = std::move(value);
+    try {
+      fsdp::ckpt::parse_checkpoint_meta(bad, "ckpt");
+    } catch (const fsdp::ckpt::FormatError& e) {
+      return std::string(e.what());
+    }
+    return std::string("(accepted)");
+  };
+  std::string e = error_with("rng_cuda_per_rank", {"0a0b0c"});
+  EXPECT_NE(e.find("\"rng_cuda_per_rank\" is not an array of world_size (2)"), std::string::npos)
+      << e;
+  e = error_with("rng_cuda_per_rank", {"0a0b0c", 7});
+  EXPECT_NE(e.find("\"rng_cuda_per_rank\" holds a non-string"), std::string::npos) << e;
+  e = error_with("rng_cuda", "0x0g");
+  EXPECT_NE(e.find("rng_cuda"), std::string::npos) << e;
+  EXPECT_EQ(e.find("(accepted)"), std::string::npos) << e;
 }

@@ -449,6 +449,37 @@ TEST(DryRun, Transformer1bPrintsCountAndEstimatesQuickly) {
               j["peak_rss_bytes"].get<int64_t>() / 1048576.0);
 }
 
+// Every row says whether it fits the budget setup checks it against (Note [Model-state budget]
+// in src/memory/state_budget.cpp): here FSDP_MEMORY_BUDGET, on a GPU the device's memory.
+TEST(DryRun, EveryRowSaysWhetherItFitsTheBudget) {
+  const std::string json = std::filesystem::temp_directory_path() /
+                           ("fsdp_dry_budget_" + std::to_string(::getpid()) + ".json");
+  auto r = fsdp::testing::run_process(
+      {fsdp::testing::bin_path("fsdp-train"), "--dry-run", "--model", "transformer-1b",
+       "--devices", "2", "--summary-json", json},
+      {{"FSDP_MEMORY_BUDGET", "10GiB"}}, 120);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  std::ifstream f(json);
+  const auto j = nlohmann::json::parse(f);
+  std::filesystem::remove(json);
+  EXPECT_EQ(j["budget"]["bytes"].get<int64_t>(), int64_t(10) << 30);
+  EXPECT_EQ(j["budget"]["what"], "the memory budget");
+  std::map<std::string, bool> fits;
+  for (const auto& row : j["strategies"]) {
+    // A row fits exactly when its total is within the budget.
+    EXPECT_EQ(row["fits"].get<bool>(), row["total_bytes"].get<int64_t>() <= (int64_t(10) << 30))
+        << row.dump();
+    fits[row["name"]] = row["fits"].get<bool>();
+  }
+  // transformer-1b at world 2: DDP and NO_SHARD hold ~16 GB per rank, FULL_SHARD ~8 GB.
+  EXPECT_FALSE(fits.at("ddp"));
+  EXPECT_FALSE(fits.at("fsdp NO_SHARD"));
+  EXPECT_TRUE(fits.at("fsdp FULL_SHARD"));
+  EXPECT_NE(r.out.find("NO (setup refuses it)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("budget: 10.00 GiB per rank, the memory budget"), std::string::npos)
+      << r.out;
+}
+
 TEST(DryRun, EstimateWithinTenPercentOfMeasuredModelState) {
   // A small model whose state dwarfs its activations (batch 1, 8 tokens).
   const std::vector<std::string> model = {"--model", "custom", "--ninp", "256", "--nhead", "4",

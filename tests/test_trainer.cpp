@@ -708,3 +708,61 @@ TEST(Trainer, HoldsTheSeedItGaveAndTwoTrainersDoNotShareIt) {
 }
 
 }  // namespace
+
+// Note [Out of memory during fit]: the caching allocator's c10::OutOfMemoryError, wherever fit
+// meets it, becomes one fsdp::OutOfMemoryError sentence with the rank, the device, the step and
+// part of it, the allocator's own sentence and the changes that fit this configuration. The
+// CUDA allocator is the one that throws it; here the module throws the same type.
+TEST(Trainer, OutOfMemoryDuringFitNamesRankStepPartAndWhatWouldFit) {
+  constexpr const char* kAllocator =
+      "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB "
+      "of which 1.06 GiB is free.\nOf the allocated memory 75.00 GiB is allocated by PyTorch";
+  struct OomLM : TinyLM {
+    int64_t forward_oom_at = -1;  // global step (0-based) whose training_step throws
+    at::Tensor training_step(const fsdp::Batch& b, int64_t i) override {
+      if (trainer()->global_step() == forward_oom_at) C10_THROW_ERROR(OutOfMemoryError, kAllocator);
+      return TinyLM::training_step(b, i);
+    }
+  };
+  auto data = corpus();
+  auto fit_error = [&](auto configure) {
+    auto train = loader(data);
+    OomLM model;
+    fsdp::TrainerOptions o = quiet_options("oom");
+    o.max_steps = 5;
+    configure(model, o);
+    fsdp::Trainer trainer(o);
+    std::string message;
+    bool typed = false;
+    try {
+      trainer.fit(model, train);
+    } catch (const fsdp::OutOfMemoryError& e) {
+      typed = true;
+      message = e.what_without_backtrace();
+    } catch (const std::exception& e) {
+      message = e.what();
+    }
+    EXPECT_TRUE(typed) << message;
+    return message;
+  };
+
+  std::string e = fit_error([](OomLM& m, fsdp::TrainerOptions&) { m.forward_oom_at = 2; });
+  for (const char* part :
+       {"rank 0 ran out of memory on cpu during the forward of step 3: ",
+        "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB",
+        "HINT: a smaller batch size", "strategy 'fsdp' with FULL_SHARD",
+        "activation checkpointing", "precision 'bf16-mixed'", "or more devices"}) {
+    EXPECT_NE(e.find(part), std::string::npos) << part << "\n" << e;
+  }
+  EXPECT_EQ(e.find("Of the allocated memory"), std::string::npos) << "one sentence: " << e;
+
+  e = fit_error([](OomLM& m, fsdp::TrainerOptions& o) {
+    o.precision = "bf16-mixed";
+    m.before_step = [&m](torch::optim::Optimizer&) {
+      if (m.trainer()->global_step() == 1) C10_THROW_ERROR(OutOfMemoryError, kAllocator);
+    };
+  });
+  EXPECT_NE(e.find("during the optimizer step of step 2: CUDA out of memory"), std::string::npos)
+      << e;
+  EXPECT_EQ(e.find("precision 'bf16-mixed'"), std::string::npos) << "already bf16: " << e;
+}

@@ -1,6 +1,8 @@
 // The dry-run planner; see apps/support/planner.h.
 #include "planner.h"
 
+#include <torch/cuda.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <iostream>
@@ -39,25 +41,45 @@ std::vector<PlanRow> plan_strategies(torch::nn::Module& model, const StrategyOpt
   return rows;
 }
 
-void print_plan(const std::vector<PlanRow>& rows) {
-  std::printf("%-20s %12s %12s %12s %14s %12s\n", "strategy", "params/rank", "grads/rank",
-              "Adam state", "buffers/units", "total/rank");
+void print_plan(const std::vector<PlanRow>& rows, const ModelStateBudget& budget) {
+  const bool check = budget.bytes > 0;
+  std::printf("%-20s %12s %12s %12s %14s %12s%s\n", "strategy", "params/rank", "grads/rank",
+              "Adam state", "buffers/units", "total/rank", check ? "  fits" : "");
   for (const auto& r : rows) {
-    std::printf("%-20s %12s %12s %12s %14s %12s\n", r.name.c_str(), format_bytes(r.params).c_str(),
-                format_bytes(r.grads).c_str(), format_bytes(r.optimizer).c_str(),
-                format_bytes(r.extra).c_str(), format_bytes(r.total()).c_str());
+    std::printf("%-20s %12s %12s %12s %14s %12s%s\n", r.name.c_str(),
+                format_bytes(r.params).c_str(), format_bytes(r.grads).c_str(),
+                format_bytes(r.optimizer).c_str(), format_bytes(r.extra).c_str(),
+                format_bytes(r.total()).c_str(),
+                !check ? "" : r.total() <= budget.bytes ? "  yes" : "  NO (setup refuses it)");
+  }
+  if (check) {
+    std::printf("budget: %s per rank, %s\n", format_bytes(budget.bytes).c_str(),
+                budget.what.c_str());
   }
   std::fflush(stdout);
 }
 
-nlohmann::json plan_json(const std::vector<PlanRow>& rows) {
+nlohmann::json plan_json(const std::vector<PlanRow>& rows, const ModelStateBudget& budget) {
   nlohmann::json out = nlohmann::json::array();
   for (const auto& r : rows) {
-    out.push_back({{"name", r.name}, {"param_bytes", r.params}, {"grad_bytes", r.grads},
-                   {"optimizer_bytes", r.optimizer}, {"extra_bytes", r.extra},
-                   {"total_bytes", r.total()}});
+    nlohmann::json row = {{"name", r.name}, {"param_bytes", r.params}, {"grad_bytes", r.grads},
+                          {"optimizer_bytes", r.optimizer}, {"extra_bytes", r.extra},
+                          {"total_bytes", r.total()}};
+    if (budget.bytes > 0) row["fits"] = r.total() <= budget.bytes;
+    out.push_back(std::move(row));
   }
   return out;
+}
+
+nlohmann::json budget_json(const ModelStateBudget& budget) {
+  return {{"bytes", budget.bytes}, {"what", budget.what}};
+}
+
+ModelStateBudget plan_budget(const std::string& accelerator, int local_world_size) {
+  const bool gpu = accelerator == "cuda" || accelerator == "gpu" ||
+                   (accelerator == "auto" && torch::cuda::device_count() > 0);
+  return planned_model_state_budget(gpu ? c10::Device(c10::kCUDA, 0) : c10::Device(c10::kCPU),
+                                    local_world_size);
 }
 
 namespace {

@@ -28,10 +28,17 @@ PlanRow plan_fsdp(torch::nn::Module& model, const FSDPOptions& options, int worl
 std::vector<PlanRow> plan_strategies(torch::nn::Module& model, const StrategyOptions& options,
                                      int world, int devices, int num_nodes);
 
-// The table: one line per row, bytes per rank in each column.
-void print_plan(const std::vector<PlanRow>& rows);
-// [{"name", "param_bytes", "grad_bytes", "optimizer_bytes", "extra_bytes", "total_bytes"}, ...]
-nlohmann::json plan_json(const std::vector<PlanRow>& rows);
+// The table: one line per row, bytes per rank in each column; with a budget (bytes > 0) a last
+// column says whether the row fits in it, and a line names it.
+void print_plan(const std::vector<PlanRow>& rows, const ModelStateBudget& budget = {});
+// [{"name", "param_bytes", "grad_bytes", "optimizer_bytes", "extra_bytes", "total_bytes"}, ...],
+// each with "fits" (true/false) when the budget has bytes > 0.
+nlohmann::json plan_json(const std::vector<PlanRow>& rows, const ModelStateBudget& budget = {});
+// {"bytes", "what"} of the budget (bytes 0: none).
+nlohmann::json budget_json(const ModelStateBudget& budget);
+// The budget a run with `accelerator` ("cpu", "cuda", "gpu", "auto") at `local_world_size` ranks
+// per node would check its model state against on local rank 0 (fsdp::planned_model_state_budget).
+ModelStateBudget plan_budget(const std::string& accelerator, int local_world_size);
 
 // DeepSpeed's disk tier under `options` (optimizer state and/or parameters on nvme), per rank
 // and for the `devices` ranks of this node, printed. Returns false when setup would refuse it

@@ -92,11 +92,18 @@ nlohmann::json run_summary(const Trainer& trainer, const RunRecorders& recorders
   j["setup_peak_alloc_mb"] = mib(r.setup_peak_alloc_bytes);
   j["setup_peak_rss_mb"] = mib(r.setup_peak_rss_bytes);
   // Per rank: the CUDA caching allocator's training peak (null on a rank without a GPU).
-  nlohmann::json device_peak = nlohmann::json::array();
-  for (int64_t b : r.device_peak_bytes) {
-    device_peak.push_back(b >= 0 ? nlohmann::json(b / 1048576.0) : nlohmann::json(nullptr));
-  }
-  j["device_peak_mb"] = device_peak;
+  auto device_mib = [](const std::vector<int64_t>& bytes) {
+    nlohmann::json out = nlohmann::json::array();
+    for (int64_t b : bytes) {
+      out.push_back(b >= 0 ? nlohmann::json(b / 1048576.0) : nlohmann::json(nullptr));
+    }
+    return out;
+  };
+  j["device_peak_mb"] = device_mib(r.device_peak_bytes);
+  j["device_peak_reserved_mb"] = device_mib(r.device_peak_reserved_bytes);
+  // Where rank 0 trained, and over what.
+  j["device"] = trainer.strategy()->device().str();
+  j["backend"] = trainer.strategy()->world() ? trainer.strategy()->world()->backend() : "";
   // Per rank: the training peak by category (Note [Memory categories] in fsdp/memory.h).
   nlohmann::json breakdown = nlohmann::json::array();
   for (const auto& rank : r.peak_breakdown_bytes) {

@@ -2,6 +2,7 @@
 // torch.cuda.max_memory_allocated), peak RSS, and an optional memory budget.
 #pragma once
 
+#include <c10/core/Device.h>
 #include <c10/util/Exception.h>
 
 #include <array>
@@ -107,6 +108,22 @@ int64_t memory_budget();
 // with its computed need instead of swapping the machine. FSDP_MEMORY_BUDGET=0 means no budget.
 int64_t default_memory_budget(int local_ranks);
 
+// The bytes one rank's model state (parameters, gradients, optimizer state, buffers) may take
+// where it lives: what DDP, FSDP and the ZeRO stages check their estimate against before
+// allocating it (Note [Model-state budget] in src/memory/state_budget.cpp).
+struct ModelStateBudget {
+  int64_t bytes = 0;  // 0: no budget
+  std::string what;   // "the memory budget", "cuda:0's memory (79.19 GiB, 2 ranks share it)"
+  std::string more;   // how to get more of it, for a HINT ("or raise FSDP_MEMORY_BUDGET")
+};
+// For a rank on `device`, `local_world_size` ranks on its node (rank r on cuda:(r % GPUs)). On
+// the CPU: memory_budget(). On a CUDA device: the device's total memory (the driver's) divided
+// by the ranks sharing it. No budget when memory_budget() is 0 (FSDP_MEMORY_BUDGET=0).
+ModelStateBudget model_state_budget(c10::Device device, int local_world_size);
+// The same for a plan made before any Trainer set the budget (fsdp-train --dry-run): the host
+// budget is FSDP_MEMORY_BUDGET when set, else default_memory_budget(local_world_size).
+ModelStateBudget planned_model_state_budget(c10::Device device, int local_world_size);
+
 // Thrown by the tracking allocator when the budget would be exceeded, and by strategies that
 // refuse a configuration up front ("DDP needs 31.2 GiB per rank, budget 12 GiB").
 class OutOfMemoryError : public c10::Error {
@@ -135,6 +152,9 @@ struct RankMemory {
   // device (torch.cuda.max_memory_allocated / memory_allocated); -1 on a rank without one.
   std::vector<int64_t> device_peak_bytes;
   std::vector<int64_t> device_current_bytes;
+  // The caching allocator's peak reserved bytes (torch.cuda.max_memory_reserved: what the
+  // process took from the driver, caching included); -1 without a device.
+  std::vector<int64_t> device_peak_reserved_bytes;
 };
 RankMemory gather_memory(ProcessGroup& group);
 

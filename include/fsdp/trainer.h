@@ -182,6 +182,7 @@ struct FitResults {
   // Per rank: the CUDA caching allocator's peak allocated bytes during training
   // (torch.cuda.max_memory_allocated after setup); -1 on a rank without a CUDA device.
   std::vector<int64_t> device_peak_bytes;
+  std::vector<int64_t> device_peak_reserved_bytes;  // torch.cuda.max_memory_reserved; -1 as above
   std::vector<int64_t> setup_peak_alloc_bytes;  // per rank: peak tensor bytes during setup
   std::vector<int64_t> setup_peak_rss_bytes;    // per rank: peak RSS at the end of setup
   // Per rank: the training peak (peak_alloc_bytes) split by who allocated the bytes alive at

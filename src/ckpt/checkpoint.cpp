@@ -10,6 +10,7 @@
 #include "fsdp/strategy.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
 #include <ATen/core/Generator.h>
 #include <c10/util/Exception.h>
 #include <torch/optim/adam.h>
@@ -311,7 +312,8 @@ Layout build_layout(Strategy* strategy, torch::nn::Module& module,
 }
 
 // Note [Per-rank RNG state]
-// Every rank's CPU generator state is saved ("rng_cpu_per_rank", rank 0's also as "rng_cpu"):
+// Every rank's CPU generator state is saved ("rng_cpu_per_rank", rank 0's also as "rng_cpu"),
+// and on CUDA its device's generator too ("rng_cuda_per_rank", "rng_cuda"):
 // with dropout each rank draws its own masks, so exact resume needs each rank's own stream.
 // Loading at the world size of the save restores each rank's own state; at another world size
 // every rank gets rank 0's (the ranks' streams depend on the world size anyway, so exact resume
@@ -326,6 +328,23 @@ void set_cpu_rng_state(const std::vector<uint8_t>& bytes) {
   at::Tensor t = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
   std::copy(bytes.begin(), bytes.end(), t.data_ptr<uint8_t>());
   auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(t);
+}
+
+// The CUDA generator of a rank's device (dropout and every other random op on the GPU draw from
+// it), reached through ATen's context so this file needs no CUDA header: saved and restored as
+// the CPU generator is (Note [Per-rank RNG state]), when the ranks train on CUDA.
+at::Tensor cuda_rng_state(c10::Device device) {
+  at::Generator gen = at::globalContext().defaultGenerator(device);
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
+}
+
+void set_cuda_rng_state(c10::Device device, const std::vector<uint8_t>& bytes) {
+  at::Tensor t = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
+  std::copy(bytes.begin(), bytes.end(), t.data_ptr<uint8_t>());
+  at::Generator gen = at::globalContext().defaultGenerator(device);
   std::lock_guard<std::mutex> lock(gen.mutex());
   gen.set_state(t);
 }
@@ -732,12 +751,19 @@ void save_checkpoint(const std::string& dir, Strategy& strategy, torch::nn::Modu
   }
   {
     // See Note [Per-rank RNG state].
-    at::Tensor mine = cpu_rng_state();
-    const at::Tensor all = world > 1 ? all_gather_host(*strategy.world(), mine) : mine;
-    json per_rank = json::array();
-    for (int r = 0; r < world; ++r) per_rank.push_back(hex_of(all.narrow(0, r * mine.numel(), mine.numel())));
-    meta["rng_cpu"] = per_rank[0];
-    meta["rng_cpu_per_rank"] = per_rank;
+    auto save_rng = [&](const at::Tensor& mine, const char* one_key, const char* per_rank_key) {
+      const at::Tensor all = world > 1 ? all_gather_host(*strategy.world(), mine) : mine;
+      json per_rank = json::array();
+      for (int r = 0; r < world; ++r) {
+        per_rank.push_back(hex_of(all.narrow(0, r * mine.numel(), mine.numel())));
+      }
+      meta[one_key] = per_rank[0];
+      meta[per_rank_key] = per_rank;
+    };
+    save_rng(cpu_rng_state(), "rng_cpu", "rng_cpu_per_rank");
+    if (strategy.device().is_cuda()) {
+      save_rng(cuda_rng_state(strategy.device()), "rng_cuda", "rng_cuda_per_rank");
+    }
   }
 
   if (type == StateDictType::kFull) {
@@ -896,18 +922,27 @@ TrainingProgress load_checkpoint(const std::string& dir, Strategy& strategy,
   }
   strategy.load_extra_state(dir, module, optimizer);
   // See Note [Per-rank RNG state].
+  // A checkpoint saved on the CPU has no CUDA state: the CUDA generator keeps the seed's stream.
   const int rank = strategy.rank();
-  try {
-    if (info.world_size == strategy.world_size() &&
-        static_cast<int>(info.rng_cpu_per_rank.size()) == strategy.world_size()) {
-      set_cpu_rng_state(info.rng_cpu_per_rank[rank]);
-    } else if (!info.rng_cpu.empty()) {
-      set_cpu_rng_state(info.rng_cpu);
+  auto load_rng = [&](const char* kind, const std::vector<uint8_t>& one,
+                      const std::vector<std::vector<uint8_t>>& per_rank, const auto& set) {
+    try {
+      if (info.world_size == strategy.world_size() &&
+          static_cast<int>(per_rank.size()) == strategy.world_size()) {
+        set(per_rank[rank]);
+      } else if (!one.empty()) {
+        set(one);
+      }
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, "[checkpoint] ", dir, ": the saved ", kind, " RNG state does not fit "
+                  "this libtorch's generator (", e.what_without_backtrace(), "); was it saved "
+                  "by another libtorch version?");
     }
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "[checkpoint] ", dir, ": the saved CPU RNG state does not fit this "
-                "libtorch's generator (", e.what_without_backtrace(), "); was it saved by "
-                "another libtorch version?");
+  };
+  load_rng("CPU", info.rng_cpu, info.rng_cpu_per_rank, set_cpu_rng_state);
+  if (strategy.device().is_cuda()) {
+    load_rng("CUDA", info.rng_cuda, info.rng_cuda_per_rank,
+             [&](const std::vector<uint8_t>& b) { set_cuda_rng_state(strategy.device(), b); });
   }
   strategy.barrier();
   return progress;

@@ -207,7 +207,10 @@ void convert_to_sharded(const std::string& checkpoint_dir, const std::string& ou
   meta["format_version"] = ckpt::kFormatVersion;
   meta["type"] = "sharded";
   // Per-rank RNG states only mean something at the world size they were saved at.
-  if (src->info().world_size != world_size) meta.erase("rng_cpu_per_rank");
+  if (src->info().world_size != world_size) {
+    meta.erase("rng_cpu_per_rank");
+    meta.erase("rng_cuda_per_rank");
+  }
   meta["world_size"] = world_size;
   meta["converted_from"] = src->type();
   meta["tensors"] = table;

@@ -189,19 +189,24 @@ CheckpointMeta parse_checkpoint_meta(const json& meta, const std::string& what) 
     if (!it->is_object()) bad(what, "\"callbacks\" is not an object");
     m.callback_states = it->dump();
   }
-  std::string rng;
-  str(meta, "rng_cpu", &rng, false);
-  m.rng_cpu = from_hex(rng, what + " \"rng_cpu\"");
-  if (auto it = meta.find("rng_cpu_per_rank"); it != meta.end()) {
+  auto rng_states = [&](const char* one_key, const char* per_rank_key, std::vector<uint8_t>* one,
+                        std::vector<std::vector<uint8_t>>* per_rank) {
+    std::string rng;
+    str(meta, one_key, &rng, false);
+    *one = from_hex(rng, what + " \"" + one_key + "\"");
+    auto it = meta.find(per_rank_key);
+    if (it == meta.end()) return;
     if (!it->is_array() || static_cast<int64_t>(it->size()) != m.world_size) {
-      bad(what, "\"rng_cpu_per_rank\" is not an array of world_size (" +
+      bad(what, std::string("\"") + per_rank_key + "\" is not an array of world_size (" +
                     std::to_string(m.world_size) + ") hex strings");
     }
     for (const auto& r : *it) {
-      if (!r.is_string()) bad(what, "\"rng_cpu_per_rank\" holds a non-string");
-      m.rng_cpu_per_rank.push_back(from_hex(r.get<std::string>(), what + " \"rng_cpu_per_rank\""));
+      if (!r.is_string()) bad(what, std::string("\"") + per_rank_key + "\" holds a non-string");
+      per_rank->push_back(from_hex(r.get<std::string>(), what + " \"" + per_rank_key + "\""));
     }
-  }
+  };
+  rng_states("rng_cpu", "rng_cpu_per_rank", &m.rng_cpu, &m.rng_cpu_per_rank);
+  rng_states("rng_cuda", "rng_cuda_per_rank", &m.rng_cuda, &m.rng_cuda_per_rank);
   return m;
 }
 

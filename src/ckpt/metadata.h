@@ -50,6 +50,9 @@ struct CheckpointMeta {
   std::map<std::string, int64_t> optimizer_steps; // FQN -> Adam step
   std::vector<uint8_t> rng_cpu;                   // rank 0's CPU generator state (may be empty)
   std::vector<std::vector<uint8_t>> rng_cpu_per_rank;  // every rank's, when saved
+  // The same for the CUDA generator of each rank's device, when the ranks trained on CUDA.
+  std::vector<uint8_t> rng_cuda;
+  std::vector<std::vector<uint8_t>> rng_cuda_per_rank;
   std::string callback_states;                    // "callbacks" object as JSON text ("" = none)
 };
 

@@ -35,6 +35,15 @@ std::optional<DeviceMemoryStats> device_memory_stats(int device = -1);
 // Resets the peaks of `device` (-1: current) to the current values. CPU build: no-op.
 void reset_device_peak(int device = -1);
 
+// What the driver says of a device's memory (cudaMemGetInfo): free and total bytes, all
+// processes together. nullopt in a CPU build or when no device is visible.
+struct DeviceMemoryInfo {
+  int device = 0;
+  int64_t free_bytes = 0;
+  int64_t total_bytes = 0;
+};
+std::optional<DeviceMemoryInfo> device_memory_info(int device = -1);
+
 struct NcclGroupOptions {
   c10::intrusive_ptr<c10d::Store> store;  // the job's rendezvous store (src/comm/rendezvous.h)
   int rank = 0;

@@ -2,7 +2,9 @@
 #include "cuda/cuda_api.h"
 
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
 
 namespace fsdp::detail {
@@ -43,6 +45,16 @@ std::optional<DeviceMemoryStats> device_memory_stats(int device) {
 void reset_device_peak(int device) {
   if (cuda_device_count() == 0) return;
   c10::cuda::CUDACachingAllocator::resetPeakStats(static_cast<c10::DeviceIndex>(resolve(device)));
+}
+
+std::optional<DeviceMemoryInfo> device_memory_info(int device) {
+  if (cuda_device_count() == 0) return std::nullopt;
+  device = resolve(device);
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  size_t free_bytes = 0, total_bytes = 0;
+  C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  return DeviceMemoryInfo{device, static_cast<int64_t>(free_bytes),
+                          static_cast<int64_t>(total_bytes)};
 }
 
 }  // namespace fsdp::detail

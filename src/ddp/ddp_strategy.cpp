@@ -115,23 +115,22 @@ void DDPStrategy::setup(torch::nn::Module& module) {
                       "fsdp::init_process_group() before setting up the module");
   TORCH_CHECK(!reducer_, "[ddp] setup_module called twice; one DDPStrategy drives one module");
 
-  // The budget is host memory (fsdp/memory.h): model state on a CUDA device is not checked
-  // against it (docs/gpu.md).
-  const int64_t budget = device().is_cuda() ? 0 : memory_budget();
-  if (budget > 0) {
+  // Host memory on the CPU, the device's on a GPU: Note [Model-state budget] in
+  // src/memory/state_budget.cpp.
+  const ModelStateBudget budget = model_state_budget(device(), launch_.local_world_size);
+  if (budget.bytes > 0) {
     const DDPMemoryEstimate est = estimate_ddp_memory(module, options_);
-    if (est.total_bytes() > budget) {
-      char need[32];
-      std::snprintf(need, sizeof(need), "%.1f GiB", est.total_bytes() / (1024.0 * 1024 * 1024));
+    if (est.total_bytes() > budget.bytes) {
       std::ostringstream msg;
-      msg << "[ddp] rank " << world_->rank() << ": DDP needs ~" << need << " per rank for "
-          << format_count(est.num_params) << " parameters (params " << format_bytes(est.param_bytes)
-          << ", grads " << format_bytes(est.grad_bytes) << ", buckets "
-          << format_bytes(est.bucket_bytes) << ", optimizer state "
-          << format_bytes(est.optimizer_bytes) << ") but the memory budget is "
-          << format_bytes(budget)
-          << "; use strategy fsdp, which shards parameters, gradients and optimizer state "
-             "over the ranks";
+      msg << "[ddp] rank " << world_->rank() << ": DDP needs ~" << format_bytes(est.total_bytes())
+          << " per rank for " << format_count(est.num_params) << " parameters (params "
+          << format_bytes(est.param_bytes) << ", grads " << format_bytes(est.grad_bytes)
+          << ", buckets " << format_bytes(est.bucket_bytes) << ", optimizer state "
+          << format_bytes(est.optimizer_bytes) << ") but " << budget.what << " is "
+          << format_bytes(budget.bytes)
+          << " per rank; use strategy fsdp, which shards parameters, gradients and optimizer "
+             "state over the ranks, "
+          << budget.more;
       throw OutOfMemoryError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, msg.str());
     }
   }

@@ -55,10 +55,11 @@ RankMemory gather_memory(ProcessGroup& group) {
   MemoryStats s = memory_stats();
   const std::optional<detail::DeviceMemoryStats> d = detail::device_memory_stats();
   // Read everything before allocating the exchange buffers (they are tracked too).
-  constexpr int kFields = 6;
+  constexpr int kFields = 7;
   const std::vector<int64_t> all = all_gather_values(
       group, {s.peak_bytes, peak_rss_bytes(), s.current_bytes, current_rss_bytes(),
-              d ? d->peak_allocated : -1, d ? d->current_allocated : -1});
+              d ? d->peak_allocated : -1, d ? d->current_allocated : -1,
+              d ? d->peak_reserved : -1});
   RankMemory m;
   for (int r = 0; r < group.size(); ++r) {
     m.peak_bytes.push_back(all[r * kFields + 0]);
@@ -67,6 +68,7 @@ RankMemory gather_memory(ProcessGroup& group) {
     m.current_rss_bytes.push_back(all[r * kFields + 3]);
     m.device_peak_bytes.push_back(all[r * kFields + 4]);
     m.device_current_bytes.push_back(all[r * kFields + 5]);
+    m.device_peak_reserved_bytes.push_back(all[r * kFields + 6]);
   }
   return m;
 }

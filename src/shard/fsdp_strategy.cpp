@@ -176,27 +176,26 @@ void FSDPStrategy::setup_module(LightningModule& module) {
   impl_->state = std::move(state);
   warn_if_no_unit(*impl_->state, options_, name_, world_rank);
 
-  // Refuse a configuration that cannot fit before anything is allocated for it. The budget is
-  // host memory (fsdp/memory.h): model state on a CUDA device is not checked against it
-  // (docs/gpu.md).
-  const int64_t budget = device().is_cuda() ? 0 : memory_budget();
-  if (budget > 0) {
+  // Refuse a configuration that cannot fit before anything is allocated for it: host memory on
+  // the CPU, the device's on a GPU (Note [Model-state budget] in src/memory/state_budget.cpp).
+  const ModelStateBudget budget = model_state_budget(device(), launch_.local_world_size);
+  if (budget.bytes > 0) {
     // Tiers on disk are left out: the disk tier checks its own buffers against the budget
     // (Note [Disk tier swapper], Note [Parameters on disk] in docs/design.md).
     FSDPMemoryEstimate need = memory_estimate();
     if (options_.offload_policy.optimizer_on_disk()) need.optimizer_bytes = 0;
     if (options_.offload_policy.params_on_disk()) need.sharded_param_bytes = 0;
-    if (need.total_bytes() > budget) {
+    if (need.total_bytes() > budget.bytes) {
       std::ostringstream os;
       os << "[FSDPStrategy] " << to_string(options_.sharding_strategy) << " needs "
          << format_bytes(need.total_bytes()) << " per rank for model state (sharded params "
          << format_bytes(need.sharded_param_bytes) << " + sharded grads "
          << format_bytes(need.sharded_grad_bytes) << " + Adam state "
          << format_bytes(need.optimizer_bytes) << " + unsharded units "
-         << format_bytes(need.unsharded_peak_bytes) << ") but the memory budget is "
-         << format_bytes(budget) << " (rank " << world_rank << " of " << world
-         << "). HINT: use more devices, FULL_SHARD, a finer --wrap-policy, or raise "
-            "FSDP_MEMORY_BUDGET.";
+         << format_bytes(need.unsharded_peak_bytes) << ") but " << budget.what << " is "
+         << format_bytes(budget.bytes) << " per rank (rank " << world_rank << " of " << world
+         << "). HINT: use more devices, FULL_SHARD, a finer --wrap-policy, " << budget.more
+         << ".";
       impl_->state.reset();
       throw OutOfMemoryError(c10::SourceLocation{__func__, __FILE__, __LINE__}, os.str());
     }

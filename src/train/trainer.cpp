@@ -9,7 +9,10 @@
 #include "common/text.h"
 #include "cuda/cuda_api.h"
 #include "fsdp/comm.h"
+#include "fsdp/activation_checkpointing.h"
 #include "fsdp/cpu_adam.h"
+#include "fsdp/deepspeed.h"
+#include "fsdp/fsdp_strategy.h"
 #include "fsdp/memory.h"
 #include "fsdp/optim8bit.h"
 #include "fsdp/precision.h"
@@ -55,7 +58,7 @@ detail::DeviceChoice check_accelerator(const TrainerOptions& o, const std::strin
 // they are built, is off on CUDA (Note [Deferred initialization]). What is not on CUDA yet is
 // refused here, never run on the host behind the user's back: QLoRA's 4-bit layers (uint8
 // parameters or buffers) and host-only optimizers (checked after configure_optimizers).
-void move_to_device(torch::nn::Module& module, c10::Device device) {
+void move_to_device(torch::nn::Module& module, c10::Device device, int local_world_size) {
   auto refuse_uint8 = [](const char* kind, const auto& named) {
     for (const auto& t : named) {
       TORCH_CHECK(t.value().scalar_type() != at::kByte, "[Trainer] ", kind, " '", t.key(),
@@ -65,6 +68,21 @@ void move_to_device(torch::nn::Module& module, c10::Device device) {
   };
   refuse_uint8("parameter", module.named_parameters(/*recurse=*/true));
   refuse_uint8("buffer", module.named_buffers(/*recurse=*/true));
+  // The whole model passes through the device: refuse what cannot fit there before copying
+  // (Note [Model-state budget] in src/memory/state_budget.cpp).
+  int64_t bytes = 0;
+  for (const auto& p : module.parameters(/*recurse=*/true)) bytes += p.nbytes();
+  for (const auto& b : module.buffers(/*recurse=*/true)) bytes += b.nbytes();
+  const ModelStateBudget budget = model_state_budget(device, local_world_size);
+  if (budget.bytes > 0 && bytes > budget.bytes) {
+    std::ostringstream os;
+    os << "[Trainer] the model (" << format_bytes(bytes) << " of parameters and buffers) is "
+       << "built on the host and moved whole to " << device << " before the strategy shards it "
+       << "(deferred init onto the device is not on CUDA yet), but " << budget.what << " is "
+       << format_bytes(budget.bytes) << " per rank. HINT: a smaller model, " << budget.more
+       << ", or accelerator='cpu' with strategy 'fsdp' (deferred init shards it while it is built)";
+    throw OutOfMemoryError(c10::SourceLocation{__func__, __FILE__, __LINE__}, os.str());
+  }
   module.to(device);
 }
 
@@ -76,6 +94,54 @@ void check_optimizer_on_cuda(torch::optim::Optimizer& optimizer) {
                                                 : nullptr;
   TORCH_CHECK(!name, "[Trainer] the optimizer ", name, " steps host memory and is not on CUDA "
               "yet (docs/gpu.md); use torch::optim::Adam / AdamW on CUDA, or accelerator='cpu'");
+}
+
+// Note [Out of memory during fit]
+// -------------------------------
+// The strategies refuse model state that cannot fit before allocating it (Note [Model-state
+// budget] in src/memory/state_budget.cpp), but activations, the unsharded units in flight and
+// the allocator's fragmentation are only known when the step runs. When the CUDA caching
+// allocator runs out (c10::OutOfMemoryError) anywhere in fit, the Trainer rethrows it as
+// fsdp::OutOfMemoryError with one sentence: the rank, the device, what the loop was doing
+// (setup, the forward / backward / optimizer step of step N, validation), the allocator's own
+// first sentence ("Tried to allocate ..."), and the changes that would fit for this run's
+// configuration (a smaller batch, FULL_SHARD, activation checkpointing, bf16-mixed). The host's
+// tracking allocator already throws fsdp::OutOfMemoryError with its own sentence.
+[[noreturn]] void throw_out_of_memory(const c10::OutOfMemoryError& e, const std::string& phase,
+                                     int rank, c10::Device device, const TrainerOptions& options,
+                                     const Strategy* strategy, LightningModule& module) {
+  std::string allocator = e.what_without_backtrace();
+  allocator = allocator.substr(0, allocator.find('\n'));
+  if (allocator.size() > 400) allocator = allocator.substr(0, 397) + "...";
+  std::vector<std::string> hints;
+  hints.push_back("a smaller batch size (accumulate_grad_batches / --accumulate-grad-batches "
+                  "keeps the effective batch)");
+  const auto* fsdp = dynamic_cast<const FSDPStrategy*>(strategy);
+  const auto* zero = dynamic_cast<const DeepSpeedStrategy*>(strategy);
+  const bool fully_sharded =
+      (fsdp && fsdp->options().sharding_strategy == ShardingStrategy::kFullShard) ||
+      (zero && zero->options().stage == 3);
+  if (!fully_sharded) {
+    hints.push_back("strategy 'fsdp' with FULL_SHARD (or 'deepspeed_stage_3'), which shards "
+                    "parameters, gradients and optimizer state over the ranks");
+  }
+  if (count_activation_checkpointed(module) == 0) {
+    hints.push_back("activation checkpointing (fsdp::apply_activation_checkpointing; "
+                    "fsdp-train --activation-checkpointing)");
+  }
+  const Precision precision = parse_precision(options.precision);
+  if (precision == Precision::k32True || precision == Precision::k64True) {
+    hints.push_back("precision 'bf16-mixed'");
+  }
+  hints.push_back("more devices");
+  std::ostringstream os;
+  os << "[Trainer] rank " << rank << " ran out of memory on " << device << " during "
+     << phase << ": " << allocator << " HINT: ";
+  for (size_t i = 0; i < hints.size(); ++i) {
+    os << (i == 0 ? "" : i + 1 == hints.size() ? "; or " : "; ") << hints[i];
+  }
+  os << " (docs/memory.md).";
+  throw OutOfMemoryError(c10::SourceLocation{__func__, __FILE__, __LINE__}, os.str());
 }
 
 void check_limit(const char* name, double v) {
@@ -298,7 +364,7 @@ void Trainer::setup_model(LightningModule& module) {
       if (t.is_floating_point() && t.scalar_type() != *true_dtype) t.set_data(t.to(*true_dtype));
     }
   }
-  if (device_.is_cuda()) move_to_device(module, device_);
+  if (device_.is_cuda()) move_to_device(module, device_, launch_.local_world_size);
   strategy_->setup_module(module);
   // Full shapes (FSDP's deferred init shards units inside configure_model already).
   std::tie(results_.params, results_.trainable_params) = strategy_->parameter_counts(module);
@@ -381,6 +447,8 @@ struct Trainer::FitLoop {
   int64_t loss_count = 0;
   double last_loss = NAN;  // the last step's loss, mean over ranks
   bool stop = false;
+  // What the loop is doing, for an out-of-memory sentence (Note [Out of memory during fit]).
+  std::string phase = "the first step";
 
   // The progress bar after a step (global rank 0 only). One loss column: the Trainer's loss
   // (the mean over ranks) unless the module puts its own training metrics on the bar, as
@@ -398,61 +466,70 @@ struct Trainer::FitLoop {
 // validate when due; finish_fit gathers the results.
 void Trainer::fit_impl(LightningModule& module, DataLoader& train_loader,
                        DataLoader* val_loader) {
-  std::unique_ptr<FitLoop> loop = setup_fit(module, train_loader, val_loader);
-  FitLoop& L = *loop;
-  const int64_t k = L.accumulate;
+  // A CUDA out-of-memory anywhere in fit becomes one sentence: Note [Out of memory during fit].
+  std::unique_ptr<FitLoop> loop;
+  try {
+    loop = setup_fit(module, train_loader, val_loader);
+    FitLoop& L = *loop;
+    const int64_t k = L.accumulate;
 
-  module.train();
-  module.on_fit_start();
-  module.on_train_start();
-  for (const auto& cb : fit_callbacks_) cb->on_fit_start(*this, module);
+    module.train();
+    module.on_fit_start();
+    module.on_train_start();
+    for (const auto& cb : fit_callbacks_) cb->on_fit_start(*this, module);
 
-  L.loop_start = Clock::now();
-  L.comm_mark = comm_busy_seconds();
-  L.disk_mark = disk_wait_seconds();
-  L.stop = L.total_steps >= 0 && global_step_ >= L.total_steps;
-  for (int64_t epoch = L.start_epoch; !L.stop && (L.max_epochs < 0 || epoch < L.max_epochs);
-       ++epoch) {
-    current_epoch_ = epoch;
-    results_.epochs = epoch + 1;
-    train_loader.set_epoch(epoch);
-    module.on_train_epoch_start();
-    L.metrics.start_epoch();
-    L.loss_sum = 0;
-    L.loss_count = 0;
+    L.loop_start = Clock::now();
+    L.comm_mark = comm_busy_seconds();
+    L.disk_mark = disk_wait_seconds();
+    L.stop = L.total_steps >= 0 && global_step_ >= L.total_steps;
+    L.phase = "the first step";
+    for (int64_t epoch = L.start_epoch; !L.stop && (L.max_epochs < 0 || epoch < L.max_epochs);
+         ++epoch) {
+      current_epoch_ = epoch;
+      results_.epochs = epoch + 1;
+      train_loader.set_epoch(epoch);
+      module.on_train_epoch_start();
+      L.metrics.start_epoch();
+      L.loss_sum = 0;
+      L.loss_count = 0;
 
-    for (int64_t batch_idx = epoch == L.start_epoch ? L.start_batch : 0;
-         batch_idx < L.batches_per_epoch; ++batch_idx) {
-      const bool last_batch = batch_idx + 1 == L.batches_per_epoch;
-      const bool boundary = (batch_idx + 1) % k == 0 || last_batch;
-      train_micro_batch(L, on_device(train_loader.batch(batch_idx)), batch_idx, boundary);
-      if (boundary) {
-        optimizer_step(L);
-        report_step(L);
-        next_epoch_ = last_batch ? epoch + 1 : epoch;
-        next_batch_ = last_batch ? 0 : batch_idx + 1;
+      for (int64_t batch_idx = epoch == L.start_epoch ? L.start_batch : 0;
+           batch_idx < L.batches_per_epoch; ++batch_idx) {
+        const bool last_batch = batch_idx + 1 == L.batches_per_epoch;
+        const bool boundary = (batch_idx + 1) % k == 0 || last_batch;
+        train_micro_batch(L, on_device(train_loader.batch(batch_idx)), batch_idx, boundary);
+        if (boundary) {
+          optimizer_step(L);
+          report_step(L);
+          next_epoch_ = last_batch ? epoch + 1 : epoch;
+          next_batch_ = last_batch ? 0 : batch_idx + 1;
+        }
+        for (const auto& cb : fit_callbacks_) cb->on_train_batch_end(*this, module, batch_idx);
+        if (L.run_val && ((L.val_every > 0 && (batch_idx + 1) % L.val_every == 0) ||
+                          (L.val_every == 0 && last_batch))) {
+          validate_during_fit(L);
+        }
+        // After this step's validation, so its line shows this step's val metrics.
+        if (boundary) L.draw_progress(global_step_, current_epoch_);
+        if (L.stop) break;
       }
-      for (const auto& cb : fit_callbacks_) cb->on_train_batch_end(*this, module, batch_idx);
-      if (L.run_val && ((L.val_every > 0 && (batch_idx + 1) % L.val_every == 0) ||
-                        (L.val_every == 0 && last_batch))) {
-        validate_during_fit(L);
-      }
-      // After this step's validation, so its line shows this step's val metrics.
-      if (boundary) L.draw_progress(global_step_, current_epoch_);
-      if (L.stop) break;
+
+      auto epoch_values = L.metrics.finish_epoch();
+      L.log_row(epoch_values, global_step_, epoch);
+      for (const auto& kv : epoch_values) results_.metrics[kv.first] = kv.second;
+      for (const auto& kv : epoch_values) callback_metrics_[kv.first] = kv.second;
+      for (const auto& cb : fit_callbacks_) cb->on_train_epoch_end(*this, module);
+      module.on_train_epoch_end();
     }
-
-    auto epoch_values = L.metrics.finish_epoch();
-    L.log_row(epoch_values, global_step_, epoch);
-    for (const auto& kv : epoch_values) results_.metrics[kv.first] = kv.second;
-    for (const auto& kv : epoch_values) callback_metrics_[kv.first] = kv.second;
-    for (const auto& cb : fit_callbacks_) cb->on_train_epoch_end(*this, module);
-    module.on_train_epoch_end();
+    module.on_train_end();
+    for (const auto& cb : fit_callbacks_) cb->on_train_end(*this, module);
+    if (L.bar) L.bar->finish();
+    finish_fit(L);
+  } catch (const c10::OutOfMemoryError& e) {
+    throw_out_of_memory(e, loop ? loop->phase
+                                : "setup (configure_model, the strategy's setup, the optimizer)",
+                        launch_.rank, device_, options_, strategy_.get(), module);
   }
-  module.on_train_end();
-  for (const auto& cb : fit_callbacks_) cb->on_train_end(*this, module);
-  if (L.bar) L.bar->finish();
-  finish_fit(L);
 }
 
 // Model (configure_model + the strategy's setup), optimizer, loaders, callbacks, resume, and
@@ -559,6 +636,7 @@ void Trainer::train_micro_batch(FitLoop& L, const Batch& batch, int64_t batch_id
                                 bool boundary) {
   const int64_t k = L.accumulate;
   const auto forward_start = Clock::now();
+  L.phase = "the forward of step " + std::to_string(global_step_ + 1);
   {
     MemoryCategoryGuard category(MemoryCategory::kActivations);
     strategy_->pre_forward(L.module, /*sync=*/boundary);
@@ -582,6 +660,7 @@ void Trainer::train_micro_batch(FitLoop& L, const Batch& batch, int64_t batch_id
   if (grad_scaler_) to_backward = grad_scaler_->scale(to_backward);
   const auto backward_start = Clock::now();
   L.step_forward += seconds_between(forward_start, backward_start);
+  L.phase = "the backward of step " + std::to_string(global_step_ + 1);
   {
     MemoryCategoryGuard category(MemoryCategory::kBackward);
     strategy_->backward(to_backward);
@@ -599,6 +678,7 @@ void Trainer::train_micro_batch(FitLoop& L, const Batch& batch, int64_t batch_id
 // when any rank's gradients hold inf/nan (Lightning's MixedPrecision plugin, in this order).
 void Trainer::optimizer_step(FitLoop& L) {
   const auto start = Clock::now();
+  L.phase = "the optimizer step of step " + std::to_string(global_step_ + 1);
   MemoryCategoryGuard category(MemoryCategory::kOptimizer);
   if (grad_scaler_) grad_scaler_->unscale(*L.opt.optimizer);
   L.module.on_before_optimizer_step(*L.opt.optimizer);
@@ -647,6 +727,7 @@ void Trainer::report_step(FitLoop& L) {
 
 // Validation inside fit (val_check_interval, or the end of an epoch).
 void Trainer::validate_during_fit(FitLoop& L) {
+  L.phase = "validation after step " + std::to_string(global_step_);
   auto val = evaluate(L.module, *L.val_loader, "val");
   L.module.on_validation_epoch_end();
   L.module.train();
@@ -686,6 +767,7 @@ void Trainer::finish_fit(FitLoop& L) {
   }
   results_.peak_rss_bytes = mem.peak_rss_bytes;
   results_.device_peak_bytes = mem.device_peak_bytes;
+  results_.device_peak_reserved_bytes = mem.device_peak_reserved_bytes;
   {
     const std::vector<int64_t> all =
         all_gather_values(*world_, {L.setup_peak_alloc, L.setup_peak_rss});

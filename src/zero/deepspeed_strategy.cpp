@@ -97,9 +97,9 @@ OffloadPolicy offload_policy_of(const DeepSpeedOptions& o) {
 // for a 1/N partition (none in RAM when they are on disk). Other optimizers' state differs;
 // Adam's is what the stages are sized for.
 void check_zero_budget(const DeepSpeedOptions& o, int rank, int world,
-                       const std::vector<std::pair<std::string, at::Tensor>>& params) {
-  const int64_t budget = memory_budget();
-  if (budget <= 0) return;
+                       const std::vector<std::pair<std::string, at::Tensor>>& params,
+                       const ModelStateBudget& budget) {
+  if (budget.bytes <= 0) return;
   int64_t param_bytes = 0, trainable = 0, grad_element = 4;
   for (const auto& [name, p] : params) {
     param_bytes += p.numel() * static_cast<int64_t>(p.element_size());
@@ -117,16 +117,16 @@ void check_zero_budget(const DeepSpeedOptions& o, int rank, int world,
   // tier's own plan checks its buffers and the disk).
   const int64_t adam_bytes = optimizer_on_disk(o) ? 0 : partition * 8;
   const int64_t need = param_bytes + grad_bytes + adam_bytes;
-  if (need <= budget) return;
+  if (need <= budget.bytes) return;
   std::ostringstream os;
   os << "[deepspeed] ZeRO stage " << o.stage << " needs " << format_bytes(need)
      << " per rank for model state (whole params " << format_bytes(param_bytes) << " + grads "
      << format_bytes(grad_bytes) << (o.stage == 1 ? " whole" : " partition + reduce bucket")
-     << " + Adam state " << format_bytes(adam_bytes) << ") but the memory budget is "
-     << format_bytes(budget) << " (rank " << rank << " of " << world << "). HINT: "
-     << (o.stage == 1 ? "'deepspeed_stage_2' also partitions the gradients, " : "")
+     << " + Adam state " << format_bytes(adam_bytes) << ") but " << budget.what << " is "
+     << format_bytes(budget.bytes) << " per rank (rank " << rank << " of " << world
+     << "). HINT: " << (o.stage == 1 ? "'deepspeed_stage_2' also partitions the gradients, " : "")
      << "'deepspeed_stage_3' partitions the parameters too; or use more devices"
-     << (o.stage == 2 ? ", a smaller reduce_bucket_size" : "") << ", or raise FSDP_MEMORY_BUDGET.";
+     << (o.stage == 2 ? ", a smaller reduce_bucket_size" : "") << ", " << budget.more << ".";
   throw OutOfMemoryError(c10::SourceLocation{__func__, __FILE__, __LINE__}, os.str());
 }
 
@@ -246,9 +246,14 @@ void DeepSpeedStrategy::setup_module(LightningModule& module) {
   if (!world_) connect(world_group(), launch_);
   TORCH_CHECK(world_, "[deepspeed] no process group: call connect(world, launch) (the Trainer "
               "does) or fsdp::init_process_group() first");
-  TORCH_CHECK(!device().is_cuda(), "[deepspeed] the DeepSpeed strategies (ZeRO stages 1-3 and "
-              "their offload) are not on CUDA yet (docs/gpu.md); on a GPU use strategy 'fsdp' "
-              "(FULL_SHARD is ZeRO-3, SHARD_GRAD_OP ZeRO-2) or 'ddp', or accelerator='cpu'");
+  // ZeRO 1-3 in device memory run on CUDA; offload from the device does not yet.
+  TORCH_CHECK(!device().is_cuda() ||
+                  !(options_.offload_optimizer || options_.offload_parameters ||
+                    options_.cpu_checkpointing),
+              "[deepspeed] offload from a CUDA device (offload_optimizer, offload_parameters, "
+              "cpu_checkpointing) is not on CUDA yet (docs/gpu.md); on a GPU use ZeRO stages "
+              "1-3 without offload ('deepspeed_stage_1', 'deepspeed_stage_2', "
+              "'deepspeed_stage_3'), or accelerator='cpu'");
   impl_->module = &module;
   auto params = unique_params(module);
 
@@ -289,7 +294,8 @@ void DeepSpeedStrategy::setup_module(LightningModule& module) {
                                      : detail::GradReduction::kDuringBackward;
 
   if (options_.stage < 3) {
-    check_zero_budget(options_, rank(), world_->size(), params);
+    check_zero_budget(options_, rank(), world_->size(), params,
+                      model_state_budget(device(), launch_.local_world_size));
     // Every rank starts from rank 0's values, as DeepSpeed's engine broadcasts the model.
     if (world_->size() > 1) {
       at::NoGradGuard no_grad;
@@ -356,6 +362,7 @@ FSDPOptions DeepSpeedStrategy::stage3_engine_options(bool deferred) const {
 void DeepSpeedStrategy::make_stage3_engine(const FSDPOptions& fo) {
   auto fsdp = std::make_shared<FSDPStrategy>(fo);
   fsdp->set_name(name_);
+  fsdp->set_device(device());
   fsdp->connect(world_, launch_);
   impl_->fsdp = fsdp;
 }
@@ -365,6 +372,10 @@ void DeepSpeedStrategy::make_stage3_engine(const FSDPOptions& fo) {
 // model (what a model larger than RAM needs, e.g. with parameters on disk).
 void DeepSpeedStrategy::enter_configure_model() {
   if (options_.stage != 3 || options_.stage3_param_persistence_threshold != 0) return;
+  // Not on CUDA yet: the Trainer moves the model built on the host to the device, and the
+  // engine made in setup_module broadcasts rank 0's values (Note [Moving the model to the
+  // device] in src/train/trainer.cpp).
+  if (device().is_cuda()) return;
   if (!world_) connect(world_group(), launch_);
   if (!world_ || world_->size() < 2) return;
   if (!impl_->fsdp) make_stage3_engine(stage3_engine_options(/*deferred=*/true));

@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -235,6 +236,20 @@ TEST(GpuTraining, ThreeRanksSharingTheGpuOverGlooMatchTheCpu) {
 
 // bf16-mixed: the GPU's bf16 matmuls and the CPU's round differently; the bound is what 10 steps
 // of a tiny model in bf16 allow (the loss moves by ~1e-1 over the run).
+// ZeRO stages 1-3 in device memory (the DeepSpeed strategies without offload).
+TEST(GpuTraining, ZeroStagesSharingTheGpuOverGlooMatchTheCpu) {
+  SKIP_WITHOUT_GPU();
+  run_parity({{"--strategy", "deepspeed_stage_1"}, 2, "gloo"}, "zero1_2");
+  run_parity({{"--strategy", "deepspeed_stage_2"}, 2, "gloo"}, "zero2_2");
+  run_parity({{"--strategy", "deepspeed_stage_3"}, 3, "gloo"}, "zero3_3");
+}
+
+TEST(GpuTraining, ZeroStagesAtWorldOneOverNcclMatchTheCpu) {
+  SKIP_WITHOUT_GPU();
+  run_parity({{"--strategy", "deepspeed_stage_2"}, 1, "nccl"}, "zero2_1");
+  run_parity({{"--strategy", "deepspeed_stage_3"}, 1, "nccl"}, "zero3_1");
+}
+
 TEST(GpuTraining, Bf16MixedStaysCloseToTheCpu) {
   SKIP_WITHOUT_GPU();
   run_parity({{"--strategy", "fsdp"}, 1, "nccl"}, "fsdp_bf16", 2e-2,
@@ -252,9 +267,9 @@ TEST(GpuTraining, ActivationCheckpointingOnCudaMatchesTheCpu) {
 // (half of each), DDP all of it: FSDP's device peak is lower.
 TEST(GpuMemory, FullShardDevicePeakIsBelowDdpsAtWorldTwo) {
   SKIP_WITHOUT_GPU();
-  const std::vector<std::string> common = {"--model", "transformer-small", "--max-steps", "3",
-                                           "--devices", "2", "--accelerator", "cuda",
-                                           "--backend", "gloo"};
+  // (fsdp_train_summary already gives --max-steps 10; a flag given twice is an error.)
+  const std::vector<std::string> common = {"--model", "transformer-small", "--devices", "2",
+                                           "--accelerator", "cuda", "--backend", "gloo"};
   auto with = [&](std::vector<std::string> flags) {
     flags.insert(flags.begin(), common.begin(), common.end());
     return flags;
@@ -317,7 +332,7 @@ TEST(GpuTrainer, WhatIsNotOnCudaYetIsRefused) {
     const char* says;
   };
   for (const Case& c : std::vector<Case>{
-           {{"--strategy", "deepspeed_stage_3"}, "not on CUDA yet"},
+           {{"--strategy", "deepspeed_stage_2_offload"}, "not on CUDA yet"},
            {{"--strategy", "fsdp", "--optimizer", "cpu_adam"}, "not on CUDA"},
            {{"--strategy", "fsdp", "--offload-optimizer-device", "cpu"}, "not on CUDA yet"},
        }) {
@@ -331,4 +346,64 @@ TEST(GpuTrainer, WhatIsNotOnCudaYetIsRefused) {
     EXPECT_NE(r.exit_code, 0) << what;
     EXPECT_NE(r.err.find(c.says), std::string::npos) << what << ": " << r.err;
   }
+}
+
+// With dropout on the GPU, a run resumed from its checkpoint draws the same masks as the run
+// that never stopped: each rank's CUDA generator is saved and restored (Note [Per-rank RNG
+// state] in src/ckpt/checkpoint.cpp). World 2 over Gloo, both ranks on the one GPU.
+TEST(GpuCheckpoint, DropoutResumesExactlyFromTheCudaGenerator) {
+  SKIP_WITHOUT_GPU();
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("fsdp_gpu_rng_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  auto run = [&](const std::string& tag, std::vector<std::string> extra) {
+    std::vector<std::string> argv = {
+        fsdp::testing::bin_path("fsdp-train"), "--model", "transformer-tiny", "--data",
+        "synthetic", "--dropout", "0.2", "--seed", "7", "--max-steps", "10", "--no-progress-bar",
+        "--strategy", "fsdp", "--state-dict-type", "sharded", "--devices", "2", "--accelerator",
+        "cuda", "--backend", "gloo", "--default-root-dir", (dir / tag / "logs").string(),
+        "--summary-json", (dir / tag / "summary.json").string()};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    const auto r = fsdp::testing::run_process(argv, {}, 300);
+    EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+    std::ifstream f(dir / tag / "summary.json");
+    return f.good() ? losses_of(json::parse(f)) : std::vector<double>{};
+  };
+  const auto whole = run("whole", {});
+  const std::string ckpt = (dir / "ckpt").string();
+  run("first", {"--checkpoint-dir", ckpt, "--save-every-n-steps", "5"});
+  const auto resumed = run("resumed", {"--ckpt-path", ckpt + "/step-5"});
+  fs::remove_all(dir);
+  ASSERT_EQ(whole.size(), 10u);
+  ASSERT_EQ(resumed.size(), 5u);
+  for (size_t i = 0; i < resumed.size(); ++i) {
+    EXPECT_DOUBLE_EQ(resumed[i], whole[5 + i]) << "resumed step " << 6 + i;
+  }
+}
+
+// The device's memory is the budget of model state on a GPU: the dry run plans against the
+// driver's total divided by the ranks sharing the device, as setup checks it.
+TEST(GpuMemory, DryRunPlansAgainstTheDevicesMemory) {
+  SKIP_WITHOUT_GPU();
+  const auto info = fsdp::detail::device_memory_info(0);
+  ASSERT_TRUE(info.has_value());
+  const std::string out_json = (std::filesystem::temp_directory_path() /
+                                ("fsdp_gpu_dry_" + std::to_string(::getpid()) + ".json")).string();
+  const auto r = fsdp::testing::run_process(
+      {fsdp::testing::bin_path("fsdp-train"), "--dry-run", "--model", "transformer-1b",
+       "--accelerator", "cuda", "--backend", "gloo", "--devices", "8", "--summary-json",
+       out_json}, {}, 120);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  std::ifstream f(out_json);
+  const json j = json::parse(f);
+  std::filesystem::remove(out_json);
+  EXPECT_EQ(j["budget"]["bytes"].get<int64_t>(), info->total_bytes / 8) << r.out;
+  EXPECT_NE(j["budget"]["what"].get<std::string>().find("cuda:0's memory"), std::string::npos);
+  for (const auto& row : j["strategies"]) {
+    // transformer-1b: DDP holds ~16 GB of state per rank, more than an eighth of an 80 or 141
+    // GB device; FULL_SHARD over 8 ranks ~2 GB.
+    if (row["name"] == "ddp") EXPECT_FALSE(row["fits"].get<bool>()) << r.out;
+    if (row["name"] == "fsdp FULL_SHARD") EXPECT_TRUE(row["fits"].get<bool>()) << r.out;
+  }
+  EXPECT_NE(r.out.find("NO (setup refuses it)"), std::string::npos) << r.out;
 }

@@ -23,6 +23,7 @@ void set_cuda_device(int device) {
 
 std::optional<DeviceMemoryStats> device_memory_stats(int) { return std::nullopt; }
 void reset_device_peak(int) {}
+std::optional<DeviceMemoryInfo> device_memory_info(int) { return std::nullopt; }
 
 ProcessGroupPtr make_nccl_group(const NcclGroupOptions&) {
   TORCH_CHECK(false, "[init_process_group] backend 'nccl': ", kNoCuda,
