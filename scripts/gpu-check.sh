@@ -75,7 +75,7 @@ stage configure "${FSDP_GPU_CONFIGURE_S:-60}" \
 stage build "${FSDP_GPU_BUILD_S:-330}" \
   cmake --build "$build" -j "$jobs" --target fsdp fsdp-train fsdp-gpu-tests
 stage test "${FSDP_GPU_TEST_S:-150}" \
-  ctest --test-dir "$build" -L gpu -j 4 --output-on-failure --timeout 140 --output-junit "$(cd "$out" && pwd)/gpu-tests.xml"
+  ctest --test-dir "$build" -L gpu -j 6 --output-on-failure --timeout 140 --output-junit "$(cd "$out" && pwd)/gpu-tests.xml"
 
 # Pass/skip/fail counts from ctest's summary, when the test stage ran.
 counts=$(grep -Eo '[0-9]+% tests passed, [0-9]+ tests failed out of [0-9]+' "$log" | tail -1)

@@ -463,7 +463,7 @@ TEST(DryRun, EveryRowSaysWhetherItFitsTheBudget) {
   const auto j = nlohmann::json::parse(f);
   std::filesystem::remove(json);
   EXPECT_EQ(j["budget"]["bytes"].get<int64_t>(), int64_t(10) << 30);
-  EXPECT_EQ(j["budget"]["what"], "the memory budget");
+  EXPECT_EQ(j["budget"]["what"], "the memory budget (FSDP_MEMORY_BUDGET)");
   std::map<std::string, bool> fits;
   for (const auto& row : j["strategies"]) {
     // A row fits exactly when its total is within the budget.
@@ -476,7 +476,8 @@ TEST(DryRun, EveryRowSaysWhetherItFitsTheBudget) {
   EXPECT_FALSE(fits.at("fsdp NO_SHARD"));
   EXPECT_TRUE(fits.at("fsdp FULL_SHARD"));
   EXPECT_NE(r.out.find("NO (setup refuses it)"), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("budget: 10.00 GiB per rank, the memory budget"), std::string::npos)
+  EXPECT_NE(r.out.find("budget: 10.00 GiB per rank, the memory budget (FSDP_MEMORY_BUDGET)"),
+            std::string::npos)
       << r.out;
 }
 

@@ -65,8 +65,14 @@ ModelStateBudget model_state_budget(c10::Device device, int local_world_size) {
 
 ModelStateBudget planned_model_state_budget(c10::Device device, int local_world_size) {
   const std::optional<int64_t> set = detail::read_settings().memory_budget;
-  return detail::budget_with_host(device, local_world_size,
-                                  set ? *set : default_memory_budget(local_world_size));
+  ModelStateBudget b = detail::budget_with_host(
+      device, local_world_size, set ? *set : default_memory_budget(local_world_size));
+  if (b.bytes > 0 && !device.is_cuda()) {
+    b.what += set ? " (FSDP_MEMORY_BUDGET)"
+                  : " (MemAvailable / " + std::to_string(std::max(local_world_size, 1)) +
+                        " ranks; FSDP_MEMORY_BUDGET sets it)";
+  }
+  return b;
 }
 
 }  // namespace fsdp

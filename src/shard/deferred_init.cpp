@@ -58,6 +58,18 @@ namespace detail {
 // unfrozen afterwards through module.parameters()), that unit is all-gathered back into full
 // parameters first, so the result is always the eager one (at the cost of one gather).
 //
+// Note [Deferred init onto the device]
+// ------------------------------------
+// On CUDA the model is built on the host as on the CPU (configure_model runs there, with the
+// CPU generator, so the values are the CPU run's), but each deferred unit's shards are created
+// on the rank's device (FsdpConfig::device): FsdpParam::shard copies this rank's rows of the
+// host values to the device and gives P (the unsharded parameter) an empty device storage;
+// the host's full values are freed with the layer's registration. The host holds at most one
+// full unit; the device only this rank's shards. The Trainer then moves what is left on the
+// host (the root unit's parameters, buffers; Note [Moving the model to the device] in
+// src/train/trainer.cpp): the units' shards are on the device already, so Module::to leaves
+// them. A deferred unit that setup does not keep is all-gathered back, on the device.
+
 // Contract for models: after built(m), m's parameters as seen through m.parameters() are
 // shards; set requires_grad and values before calling built(), and do not re-initialize a
 // built layer from its parent (the GPT-2 `apply(init_weights)` idiom must run inside each
@@ -233,8 +245,9 @@ void begin_deferred_init(FSDPStrategy& strategy) {
   impl.num_deferred_units = 0;
   if (impl.state || !deferred_init_applies(strategy)) return;
   // Same groups as setup_module makes for these strategies: the world is the shard group.
-  impl.deferred_state = std::make_unique<FsdpState>(make_fsdp_config(strategy.options()),
-                                                    strategy.world(), nullptr);
+  FsdpConfig config = make_fsdp_config(strategy.options());
+  if (strategy.device().is_cuda()) config.device = strategy.device();  // see the Note above
+  impl.deferred_state = std::make_unique<FsdpState>(std::move(config), strategy.world(), nullptr);
   impl.deferred = std::make_unique<DeferredInit>(impl.deferred_state.get(),
                                                  strategy.options().auto_wrap_policy);
 }

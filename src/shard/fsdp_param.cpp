@@ -54,16 +54,18 @@ std::vector<torch::nn::Module*> parameter_owners(torch::nn::Module& module) {
 }
 
 FsdpParam::FsdpParam(at::Tensor unsharded, Registration first, int shard_rank, int shard_world,
-                     std::optional<at::ScalarType> compute_dtype)
+                     std::optional<at::ScalarType> compute_dtype,
+                     std::optional<c10::Device> device)
     : unsharded_(std::move(unsharded)),
       requires_grad_(unsharded_.requires_grad()),
       shard_rank_(shard_rank),
       shard_world_(shard_world),
       sharded_dtype_(unsharded_.scalar_type()),
-      compute_dtype_(unsharded_.scalar_type()) {
+      compute_dtype_(unsharded_.scalar_type()),
+      device_(device.value_or(unsharded_.device())) {
   if (compute_dtype && unsharded_.is_floating_point()) compute_dtype_ = *compute_dtype;
   registrations_.push_back(std::move(first));
-  if (compute_dtype_ != sharded_dtype_ && unsharded_.device().is_cpu()) {
+  if (compute_dtype_ != sharded_dtype_ && device_.is_cpu()) {
     check_cpu_matmul_supported(compute_dtype_, "[FSDPStrategy] MixedPrecisionPolicy.param_dtype=" +
                                                    std::string(c10::toString(compute_dtype_)) +
                                                    " for CPU parameter '" + fqn() + "'");
@@ -87,11 +89,13 @@ FsdpParam::FsdpParam(at::Tensor unsharded, Registration first, int shard_rank, i
 }
 
 void FsdpParam::shard() {
+  at::NoGradGuard no_grad;
   if (aliased()) {
+    // The same tensor as S and P: moved whole when it is not on its device yet.
+    if (unsharded_.device() != device_) unsharded_.set_data(unsharded_.detach().to(device_));
     sharded_ = unsharded_;
     return;
   }
-  at::NoGradGuard no_grad;
   at::Tensor rows = unsharded_.detach().reshape({dim0_, row_numel_});
   const RowRange mine = rows_of(shard_rank_);
   std::vector<int64_t> shape;
@@ -104,7 +108,8 @@ void FsdpParam::shard() {
   // Quantized storage (uint8: NF4 packed weights and their state) is its own memory category.
   std::optional<MemoryCategoryGuard> category;
   if (unsharded_.scalar_type() == at::kByte) category.emplace(MemoryCategory::kQuantized);
-  at::Tensor s = at::zeros(shape, unsharded_.options().requires_grad(false));
+  // On device_: a unit built on the host during deferred init sends only its rows there.
+  at::Tensor s = at::zeros(shape, unsharded_.options().device(device_).requires_grad(false));
   if (mine.size() > 0) {
     s.view({shard_rows_, row_numel_})
         .narrow(0, 0, mine.size())
@@ -112,9 +117,11 @@ void FsdpParam::shard() {
   }
   s.set_requires_grad(requires_grad_);
   sharded_ = s;
-  if (casts()) {
-    // See Note [Mixed-precision parameters]: same TensorImpl, compute dtype, storage freed below.
-    unsharded_.set_data(at::empty(unsharded_.sizes(), unsharded_.options().dtype(compute_dtype_)));
+  if (casts() || unsharded_.device() != device_) {
+    // See Note [Mixed-precision parameters]: same TensorImpl, compute dtype and device, its
+    // storage freed below (the host's full values with it).
+    unsharded_.set_data(at::empty(unsharded_.sizes(),
+                                  unsharded_.options().dtype(compute_dtype_).device(device_)));
   }
   free_unsharded();
   for (auto& reg : registrations_) {

@@ -74,9 +74,12 @@ class FsdpParam {
   };
 
   // compute_dtype: P's dtype after shard() (see Note [Mixed-precision parameters]); nullopt or
-  // P's own dtype = no cast. Only floating parameters are cast.
+  // P's own dtype = no cast. Only floating parameters are cast. device: where S and P live
+  // after shard(); nullopt = where P is now (see Note [Deferred init onto the device] in
+  // deferred_init.cpp).
   FsdpParam(at::Tensor unsharded, Registration first, int shard_rank, int shard_world,
-            std::optional<at::ScalarType> compute_dtype = std::nullopt);
+            std::optional<at::ScalarType> compute_dtype = std::nullopt,
+            std::optional<c10::Device> device = std::nullopt);
 
   void add_registration(Registration reg) { registrations_.push_back(std::move(reg)); }
   const std::vector<Registration>& registrations() const { return registrations_; }
@@ -132,6 +135,7 @@ class FsdpParam {
   int64_t shard_rows_;
   at::ScalarType sharded_dtype_;  // S (and P before shard())
   at::ScalarType compute_dtype_;  // P after shard()
+  c10::Device device_;            // S and P after shard()
 };
 
 // Reaches the protected parameters_ dict of any torch::nn::Module.

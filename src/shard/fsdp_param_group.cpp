@@ -41,7 +41,7 @@ FsdpParam& FsdpParamGroup::add_param(at::Tensor unsharded, FsdpParam::Registrati
   const auto& mp = config_.mixed_precision;
   params_.push_back(std::make_unique<FsdpParam>(
       std::move(unsharded), std::move(reg), config_.shard_group->rank(),
-      config_.shard_group->size(), mp ? mp->param_dtype : std::nullopt));
+      config_.shard_group->size(), mp ? mp->param_dtype : std::nullopt, config_.device));
   return *params_.back();
 }
 

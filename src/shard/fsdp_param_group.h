@@ -57,6 +57,9 @@ struct UnitConfig {
   bool reshard_after_forward = true;  // FULL_SHARD / HYBRID_SHARD
   // See Note [Mixed-precision parameters] in fsdp_param.h.
   std::optional<MixedPrecisionPolicy> mixed_precision;
+  // Where the shards go when the parameters are elsewhere (deferred init on CUDA: Note
+  // [Deferred init onto the device] in deferred_init.cpp); nullopt = where they are.
+  std::optional<c10::Device> device;
 };
 
 class FsdpParamGroup {

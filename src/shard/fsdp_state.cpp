@@ -90,6 +90,7 @@ std::unique_ptr<FsdpParamGroup> FsdpState::new_unit(std::string name, fsdp::nn::
   unit.replicate_group = replicate_group_;
   unit.reshard_after_forward = reshard;
   unit.mixed_precision = config_.mixed_precision;
+  unit.device = config_.device;
   return std::make_unique<FsdpParamGroup>(std::move(name), module, std::move(unit));
 }
 

@@ -42,6 +42,9 @@ struct FsdpConfig {
   int64_t max_live_numel = 0;
   // FSDPOptions::offload_policy: where the sharded parameters live between all-gathers.
   OffloadDevice offload_params = OffloadDevice::kNone;
+  // Deferred init on CUDA: the device the shards of units built on the host go to (Note
+  // [Deferred init onto the device] in deferred_init.cpp); nullopt = where the parameters are.
+  std::optional<c10::Device> device;
 };
 
 // A unit to build: the module (null for the root) and its FQN.

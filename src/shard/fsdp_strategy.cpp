@@ -37,10 +37,8 @@ FSDPStrategy::~FSDPStrategy() { detail::end_deferred_init(*this); }
 
 void FSDPStrategy::enter_configure_model() {
   impl_->manual_units.clear();
-  // See Note [Deferred initialization] in deferred_init.cpp. Not on CUDA yet: the Trainer moves
-  // the model built on the host to the device before setup_module (Note [Moving the model to
-  // the device] in src/train/trainer.cpp).
-  if (device().is_cuda()) return;
+  // See Note [Deferred initialization] and, on CUDA, Note [Deferred init onto the device] in
+  // deferred_init.cpp.
   detail::begin_deferred_init(*this);
 }
 

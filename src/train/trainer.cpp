@@ -53,9 +53,11 @@ detail::DeviceChoice check_accelerator(const TrainerOptions& o, const std::strin
 // --------------------------------------
 // configure_model builds the model on the host; the Trainer moves it to the rank's CUDA device
 // (torch::nn::Module::to: every parameter and buffer keeps its identity) before the strategy
-// sets it up, so DDP's buckets and FSDP's shards are allocated on the device from then on. The
-// whole model passes through the device once: FSDP's deferred init, which shards units while
-// they are built, is off on CUDA (Note [Deferred initialization]). What is not on CUDA yet is
+// sets it up, so DDP's buckets and FSDP's shards are allocated on the device from then on.
+// With FSDP's deferred init (FULL_SHARD / SHARD_GRAD_OP, ZeRO-3, at 2+ ranks) the units'
+// shards went to the device while configure_model built them (Note [Deferred init onto the
+// device] in src/shard/deferred_init.cpp), and only the rest moves here; otherwise the whole
+// model passes through the device once. What is not on CUDA yet is
 // refused here, never run on the host behind the user's back: QLoRA's 4-bit layers (uint8
 // parameters or buffers) and host-only optimizers (checked after configure_optimizers).
 void move_to_device(torch::nn::Module& module, c10::Device device, int local_world_size) {
@@ -68,19 +70,21 @@ void move_to_device(torch::nn::Module& module, c10::Device device, int local_wor
   };
   refuse_uint8("parameter", module.named_parameters(/*recurse=*/true));
   refuse_uint8("buffer", module.named_buffers(/*recurse=*/true));
-  // The whole model passes through the device: refuse what cannot fit there before copying
-  // (Note [Model-state budget] in src/memory/state_budget.cpp).
+  // What is still on the host moves whole: refuse what cannot fit there before copying (Note
+  // [Model-state budget] in src/memory/state_budget.cpp). Shards already on the device count.
   int64_t bytes = 0;
   for (const auto& p : module.parameters(/*recurse=*/true)) bytes += p.nbytes();
   for (const auto& b : module.buffers(/*recurse=*/true)) bytes += b.nbytes();
   const ModelStateBudget budget = model_state_budget(device, local_world_size);
   if (budget.bytes > 0 && bytes > budget.bytes) {
     std::ostringstream os;
-    os << "[Trainer] the model (" << format_bytes(bytes) << " of parameters and buffers) is "
-       << "built on the host and moved whole to " << device << " before the strategy shards it "
-       << "(deferred init onto the device is not on CUDA yet), but " << budget.what << " is "
-       << format_bytes(budget.bytes) << " per rank. HINT: a smaller model, " << budget.more
-       << ", or accelerator='cpu' with strategy 'fsdp' (deferred init shards it while it is built)";
+    os << "[Trainer] the model's parameters and buffers on " << device << " would take "
+       << format_bytes(bytes) << " per rank before the strategy sets them up, but "
+       << budget.what << " is " << format_bytes(budget.bytes) << " per rank. HINT: strategy "
+       << "'fsdp' (FULL_SHARD or SHARD_GRAD_OP) or 'deepspeed_stage_3' at 2+ ranks, which "
+       << "shard each layer onto the device while configure_model builds it (the model calls "
+       << "fsdp::nn::built or fsdp::wrap for its layers); more GPUs; a smaller model; "
+       << budget.more;
     throw OutOfMemoryError(c10::SourceLocation{__func__, __FILE__, __LINE__}, os.str());
   }
   module.to(device);

@@ -372,10 +372,6 @@ void DeepSpeedStrategy::make_stage3_engine(const FSDPOptions& fo) {
 // model (what a model larger than RAM needs, e.g. with parameters on disk).
 void DeepSpeedStrategy::enter_configure_model() {
   if (options_.stage != 3 || options_.stage3_param_persistence_threshold != 0) return;
-  // Not on CUDA yet: the Trainer moves the model built on the host to the device, and the
-  // engine made in setup_module broadcasts rank 0's values (Note [Moving the model to the
-  // device] in src/train/trainer.cpp).
-  if (device().is_cuda()) return;
   if (!world_) connect(world_group(), launch_);
   if (!world_ || world_->size() < 2) return;
   if (!impl_->fsdp) make_stage3_engine(stage3_engine_options(/*deferred=*/true));
