@@ -4,10 +4,13 @@
 //
 //   helper_launch --devices 3 --fail-rank 2 --how throw|abort|sigkill|exit|segv|fail_rank|oom|stop
 //   helper_launch --devices 2 --launch-twice     (fsdp::launch called twice, as two Trainers do)
+//   helper_launch ... --collective --cuda        (the ranks' collectives on CUDA tensors of
+//                                                 cuda:0, staged by Gloo/MPI: tests/gpu/)
 //
 // stop: the rank stops itself (SIGSTOP), as a rank frozen by a debugger, a job-control signal or
 // a host that stops scheduling it; it never resumes.
 // oom: the rank touches 64 MiB blocks until the kernel kills it (run it in a memory cgroup).
+#include <ATen/Functions.h>
 #include <ATen/Parallel.h>
 #include <signal.h>
 #include <unistd.h>
@@ -35,6 +38,7 @@ int main(int argc, char** argv) {
   int rank0_status = 0;
   bool collective = false;  // survivors wait in a barrier (as real ranks would) instead of sleeping
   bool launch_twice = false;  // call fsdp::launch a second time, as a program with two Trainers
+  bool cuda = false;  // with --collective: all-reduce a CUDA tensor instead of the barrier
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto next = [&] { return std::string(i + 1 < argc ? argv[++i] : ""); };
@@ -56,6 +60,8 @@ int main(int argc, char** argv) {
       collective = true;
     else if (a == "--launch-twice")
       launch_twice = true;
+    else if (a == "--cuda")
+      cuda = true;
     else {
       std::fprintf(stderr, "helper_launch: unknown argument %s\n", a.c_str());
       return 2;
@@ -70,11 +76,21 @@ int main(int argc, char** argv) {
   std::fflush(stdout);
 
   fsdp::ProcessGroupPtr group;
+  // The collective the ranks meet in: a barrier, or with --cuda an all-reduce of a tensor on
+  // cuda:0 (Gloo and MPI stage it through host memory).
+  auto meet = [&] {
+    if (!cuda) {
+      group->barrier();
+      return;
+    }
+    at::Tensor t = at::ones({4}, at::TensorOptions().device(at::Device(at::kCUDA, 0)));
+    group->all_reduce_async(t, fsdp::ReduceOp::kSum)->wait();
+  };
   if (collective) {
     fsdp::ProcessGroupOptions pgo;
     pgo.backend = options.backend;
     group = fsdp::init_process_group(pgo);
-    group->barrier();
+    meet();
     std::printf("rank %d joined the group\n", info.rank);
     std::fflush(stdout);
   }
@@ -114,7 +130,7 @@ int main(int argc, char** argv) {
     // A survivor: would be blocked in a collective; when the launcher kills it, it never
     // reaches the message below.
     if (group) {
-      group->barrier();  // never completes: the failing rank does not arrive
+      meet();  // never completes: the failing rank does not arrive
     } else {
       sleep_s(survivor_s);
     }
@@ -122,7 +138,7 @@ int main(int argc, char** argv) {
                  survivor_s);
     return 5;
   }
-  if (group) group->barrier();
+  if (group) meet();
   if (info.rank == 0 && rank0_status != 0) return rank0_status;
   return 0;
 }

@@ -507,6 +507,7 @@ TEST(Loggers, ExplicitVersionNeverOverwritesAnotherRunsFiles) {
   tb2->finalize();
   tb1->finalize();
   EXPECT_GT(fs::file_size(tb1->path()), fs::file_size(tb2->path()));
+  fs::remove_all(o.default_root_dir);  // this test's own directory (temp_dir made it)
 }
 
 // A single-device strategy that records what the model's construction tells it.

@@ -9,6 +9,7 @@
 #include "fsdp/comm.h"
 #include "fsdp/memory.h"
 #include "fsdp/trainer.h"
+#include "launch_test_util.h"
 #include "testing.h"
 
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -16,6 +17,8 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include <signal.h>
 
 #include <cmath>
 #include <cstdlib>
@@ -432,4 +435,32 @@ TEST(GpuInit, DeferredInitSendsShardsToTheDeviceLayerByLayer) {
   for (const auto& mb : deferred["setup_peak_alloc_mb"]) {
     EXPECT_LT(mb.get<double>(), 0.25 * full_mb) << "host setup peak vs the whole model";
   }
+}
+
+// A rank that stops (SIGSTOP) while its peers wait in a collective on CUDA tensors (Gloo staging
+// them, both ranks on the one GPU) is named at the collective timeout, and the job ends: the
+// timeout and culprit machinery of Note [Collective timeouts] holds on the device path.
+TEST(GpuGloo, StoppedRankInACudaCollectiveIsNamedAndTheJobEnds) {
+  SKIP_WITHOUT_GPU();
+  namespace launch = fsdp::testing::launch;
+  const auto r = fsdp::testing::run_process(
+      {launch::helper(), "--devices", "2", "--backend", "gloo", "--collective", "--cuda",
+       "--fail-rank", "1", "--how", "stop", "--survivor-wait", "120"},
+      {{"FSDP_COLLECTIVE_TIMEOUT_S", "3"}}, 60);
+  const int64_t ended_ms = launch::now_ms();
+  const std::vector<int> pids = launch::printed_pids(r.out);
+  for (int pid : pids) {
+    if (!launch::gone_within(pid, 1.0)) {
+      ADD_FAILURE() << "pid " << pid << " survived";
+      ::kill(pid, SIGKILL);  // never leave a stopped rank behind
+    }
+  }
+  SCOPED_TRACE("stdout:\n" + r.out + "\nstderr:\n" + r.err);
+  EXPECT_EQ(pids.size(), 2u);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("rank 1 has not been heard from"), std::string::npos);
+  EXPECT_NE(r.out.find("rank 0 joined the group"), std::string::npos) << "the CUDA all-reduce ran";
+  const int64_t stopped_ms = launch::failed_at_ms(r.out, 1);
+  ASSERT_GT(stopped_ms, 0);
+  EXPECT_LT(static_cast<double>(ended_ms - stopped_ms) / 1000.0, 3 + 5);  // timeout + 5 s
 }
