@@ -87,8 +87,9 @@ void track_group(const std::shared_ptr<GroupImpl>& group) {
 
 namespace {
 // Backend "nccl": this rank's device (src/common/device_choice.h: one rank per device), the
-// rendezvous store for the ncclUniqueId, one communicator. The Gloo/MPI machinery (comm thread,
-// Monitor) is not used: NCCL queues on CUDA streams (Note [NCCL streams]).
+// rendezvous store for the ncclUniqueId, one communicator. NCCL queues on CUDA streams (Note
+// [NCCL streams]), not on a comm thread; the Monitor's heartbeats name the missing ranks when
+// its watchdog times a collective out (Note [NCCL watchdog]).
 ProcessGroupPtr init_nccl_world(const ProcessGroupOptions& options,
                                 const detail::Settings& settings, int rank, int size,
                                 std::chrono::milliseconds timeout) {
@@ -102,6 +103,7 @@ ProcessGroupPtr init_nccl_world(const ProcessGroupOptions& options,
   no.size = size;
   no.device = device.index;
   no.timeout = std::max<std::chrono::milliseconds>(timeout, std::chrono::minutes(1));
+  no.collective_timeout = timeout;
   if (size > 1) {
     detail::RendezvousOptions ro;
     ro.rank = rank;
@@ -110,7 +112,9 @@ ProcessGroupPtr init_nccl_world(const ProcessGroupOptions& options,
     ro.master_port = options.master_port > 0 ? options.master_port : launch.master_port;
     ro.job_id = settings.job_id;
     ro.timeout = no.timeout;
-    no.store = detail::rendezvous(ro).store;
+    detail::Rendezvous rv = detail::rendezvous(ro);
+    no.store = rv.store;
+    no.monitor_store = rv.monitor_store;
   } else {
     no.store = c10::make_intrusive<c10d::HashStore>();
   }

@@ -51,6 +51,12 @@ struct NcclGroupOptions {
   int device = 0;  // the CUDA device this rank uses
   std::string key = "nccl/world";  // store key of the ncclUniqueId; the same on every rank
   std::chrono::milliseconds timeout{std::chrono::minutes(1)};  // waiting for rank 0's id
+  // A collective not complete after this long aborts the group, naming the ranks that did not
+  // join (FSDP_COLLECTIVE_TIMEOUT_S; Note [NCCL watchdog] in src/cuda/nccl_process_group.cpp).
+  std::chrono::milliseconds collective_timeout{std::chrono::minutes(10)};
+  // The job's store on a connection of its own, for the heartbeats behind the culprit naming;
+  // null: the timeout message cannot name ranks.
+  c10::intrusive_ptr<c10d::Store> monitor_store;
 };
 // The world group over NCCL (src/cuda/nccl_process_group.cpp). Collective. CPU build: an error
 // that names the CUDA build (docs/gpu.md).

@@ -1,13 +1,21 @@
 // NCCL backend: see src/cuda/nccl_process_group.h.
 #include "cuda/nccl_process_group.h"
 
+#include "comm/process_group_impl.h"
+
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <condition_variable>
+#include <cstdio>
 #include <cstring>
+#include <deque>
+#include <optional>
 #include <sstream>
+#include <thread>
 
 namespace fsdp::detail {
 
@@ -40,6 +48,27 @@ namespace fsdp::detail {
 // a block until the allocator polls the event at some later allocation, so the peak depends on
 // timing; the deferred free costs nothing (the wait is needed anyway) and keeps peaks
 // reproducible. See docs/design.md, "Device memory across streams".
+//
+// Note [NCCL watchdog]
+// ~~~~~~~~~~~~~~~~~~~~
+// NCCL kernels wait for their peers on the device, for ever: a rank that stops (SIGSTOP, a
+// hung host) leaves the others' kernels spinning and, at the next host synchronization, their
+// processes blocked. So a group of 2+ ranks has a watchdog thread, as c10d's ProcessGroupNCCL
+// does. Every collective is registered with its `done` event and the time it was issued (a
+// blocking host call, ncclCommSplit, with none until it returns). Every period (timeout / 4,
+// between 0.1 and 1 s) the watchdog drops the completed ones; one older than the timeout
+// (FSDP_COLLECTIVE_TIMEOUT_S, from its issue: NCCL starts it when the streams reach it) makes it
+//   1. ask the Monitor which ranks did not join (the same heartbeats and words as Gloo and MPI:
+//      Note [Collective timeouts], Note [Culprit path deadlines] in src/comm/);
+//   2. take the issue lock for at most 2 s: a launch that holds it longer is blocked inside
+//      NCCL waiting for a peer, and only the abort releases it (a launch about to start holds
+//      it for microseconds, so the abort never frees a communicator a launch is about to use);
+//   3. record the message, mark the group aborted, print the message (this rank's main thread
+//      may be blocked in a host synchronization until the abort lands) and ncclCommAbort,
+//      which ends the spinning kernels so blocked streams and host waits return.
+// From then on every call on the group (issue, wait, check_async_error) throws that message
+// instead of touching the communicator; the launchers end the job as for any failing rank. A
+// group of one rank has no peers to wait for and no watchdog.
 
 namespace {
 
@@ -110,7 +139,8 @@ class NcclWork final : public Work {
   NcclWork(std::shared_ptr<NcclGroup> group, c10::Device device,
            c10::cuda::CUDAStream stream, std::vector<at::Tensor> tensors, bool host_wait)
       : group_(std::move(group)),
-        device_(device), stream_(stream), tensors_(std::move(tensors)), host_wait_(host_wait) {}
+        device_(device), stream_(stream), tensors_(std::move(tensors)), host_wait_(host_wait),
+        done_(std::make_shared<Event>()) {}
 
   ~NcclWork() override {
     if (waited_) return;
@@ -122,24 +152,24 @@ class NcclWork final : public Work {
     }
   }
 
-  cudaEvent_t done() const { return done_.event; }
+  const std::shared_ptr<Event>& done() const { return done_; }
 
   void wait() override {
     c10::cuda::CUDAGuard guard(device_);
     group_->check_async_error();
     if (host_wait_) {
-      C10_CUDA_CHECK(cudaEventSynchronize(done_.event));
+      C10_CUDA_CHECK(cudaEventSynchronize(done_->event));
       group_->check_async_error();
     } else {
       auto current = c10::cuda::getCurrentCUDAStream(device_.index());
-      C10_CUDA_CHECK(cudaStreamWaitEvent(current.stream(), done_.event, 0));
+      C10_CUDA_CHECK(cudaStreamWaitEvent(current.stream(), done_->event, 0));
     }
     waited_ = true;
     tensors_.clear();  // the deferred free: see Note [NCCL memory protection]
   }
 
   bool is_completed() override {
-    const cudaError_t r = cudaEventQuery(done_.event);
+    const cudaError_t r = cudaEventQuery(done_->event);
     if (r == cudaErrorNotReady) {
       (void)cudaGetLastError();  // cudaEventQuery's "not ready" is not a sticky error
       return false;
@@ -155,20 +185,64 @@ class NcclWork final : public Work {
   std::vector<at::Tensor> tensors_;
   bool host_wait_;
   bool waited_ = false;
-  Event done_;
+  std::shared_ptr<Event> done_;  // shared with the watchdog (Note [NCCL watchdog])
 };
+
+using Clock = std::chrono::steady_clock;
+
+int64_t op_code(CollectiveOp op) { return static_cast<int64_t>(op); }
+
+std::string seconds_of(std::chrono::milliseconds ms) {
+  std::ostringstream out;
+  out << static_cast<double>(ms.count()) / 1000.0 << " s";
+  return out.str();
+}
 
 }  // namespace
 
+struct NcclGroup::Watch {
+  struct Pending {
+    int64_t seq = 0;
+    std::string what;  // "all_reduce #17"
+    Clock::time_point issued;
+    std::shared_ptr<Event> done;  // null: a host call in progress (ncclCommSplit)
+  };
+  std::mutex mutex;  // guards everything but `aborted`
+  std::condition_variable cv;
+  std::deque<Pending> pending;
+  bool stopping = false;
+  std::string failure;  // the timeout message, set before `aborted`
+  std::atomic<bool> aborted{false};
+  std::thread thread;
+};
+
 NcclGroup::NcclGroup(ncclComm_t comm, int rank, std::vector<int> world_ranks, c10::Device device,
-                     std::string name)
+                     std::string name, NcclWatchOptions watch)
     : comm_(comm), rank_(rank), world_ranks_(std::move(world_ranks)), device_(device),
       name_(std::move(name)),
       all_gather_stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device.index())),
       reduce_scatter_stream_(
-          c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device.index())) {}
+          c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device.index())),
+      watch_options_(std::move(watch)),
+      issued_(std::make_shared<std::atomic<int64_t>>(0)),
+      watch_(std::make_shared<Watch>()) {
+  // See Note [NCCL watchdog]: only a group with peers can wait for ever.
+  if (size() < 2 || watch_options_.timeout.count() <= 0) return;
+  if (watch_options_.monitor) watch_options_.monitor->add_group(watch_options_.uid, issued_);
+  watch_->thread = std::thread([this] { this->watch(); });
+}
 
 NcclGroup::~NcclGroup() {
+  {
+    std::lock_guard<std::mutex> lock(watch_->mutex);
+    watch_->stopping = true;
+  }
+  watch_->cv.notify_all();
+  if (watch_->thread.joinable()) watch_->thread.join();
+  if (size() >= 2 && watch_options_.monitor) {
+    watch_options_.monitor->remove_group(watch_options_.uid);
+  }
+  if (watch_->aborted.load()) return;  // the watchdog aborted the communicator
   if (comm_ == nullptr) return;
   // A destructor must not hang on a peer that is gone: abort after an error, else destroy
   // (which waits for this communicator's queued kernels).
@@ -179,7 +253,25 @@ NcclGroup::~NcclGroup() {
   }
 }
 
+void NcclGroup::check_not_aborted() const {
+  if (!watch_->aborted.load()) return;
+  std::string failure;
+  {
+    std::lock_guard<std::mutex> lock(watch_->mutex);
+    failure = watch_->failure;
+  }
+  TORCH_CHECK(false, failure);
+}
+
 void NcclGroup::check_async_error() {
+  // Under the issue lock: the watchdog aborts the communicator only while holding it (or while
+  // a launch is blocked inside NCCL, which is not here). See Note [NCCL watchdog].
+  std::lock_guard<std::timed_mutex> issue_lock(issue_mutex_);
+  check_not_aborted();
+  if (comm_ == nullptr) {
+    TORCH_CHECK(false, "[nccl] group ", name_, ": the group is unusable: an earlier collective "
+                "failed and its communicator was aborted");
+  }
   ncclResult_t async = ncclSuccess;
   FSDP_NCCL_CHECK(ncclCommGetAsyncError(comm_, &async), comm_, "ncclCommGetAsyncError");
   if (async == ncclSuccess || async == ncclInProgress) return;
@@ -199,25 +291,102 @@ void NcclGroup::check_tensor(const char* op, const char* what, const at::Tensor&
               " must be contiguous; call .contiguous() first");
 }
 
-WorkPtr NcclGroup::issue(const char* op, Lane lane, std::vector<at::Tensor> tensors,
+WorkPtr NcclGroup::issue(const char* op, int64_t code, Lane lane, std::vector<at::Tensor> tensors,
                          const std::function<void(cudaStream_t)>& launch, bool host_wait) {
-  TORCH_CHECK(comm_ != nullptr, "[nccl] ", op, " on group ", name_, ": the group is unusable: an "
-              "earlier collective failed and its communicator was aborted");
   c10::cuda::CUDAGuard guard(device_);
   auto stream = lane == Lane::kAllGather ? all_gather_stream_ : reduce_scatter_stream_;
   auto current = c10::cuda::getCurrentCUDAStream(device_.index());
   auto work = std::make_shared<NcclWork>(shared_from_this(), device_, stream,
                                          std::move(tensors), host_wait);
   {
-    std::lock_guard<std::mutex> lock(issue_mutex_);
-    Event ready;  // step 1-2 of Note [NCCL streams]
-    C10_CUDA_CHECK(cudaEventRecord(ready.event, current.stream()));
-    C10_CUDA_CHECK(cudaStreamWaitEvent(stream.stream(), ready.event, 0));
-    launch(stream.stream());
-    C10_CUDA_CHECK(cudaEventRecord(work->done(), stream.stream()));
+    std::lock_guard<std::timed_mutex> lock(issue_mutex_);
+    check_not_aborted();  // Note [NCCL watchdog]
+    TORCH_CHECK(comm_ != nullptr, "[nccl] ", op, " on group ", name_, ": the group is unusable: "
+                "an earlier collective failed and its communicator was aborted");
+    const int64_t seq = ++seq_;
+    issued_->store((seq << 4) | code, std::memory_order_relaxed);
+    try {
+      Event ready;  // step 1-2 of Note [NCCL streams]
+      C10_CUDA_CHECK(cudaEventRecord(ready.event, current.stream()));
+      C10_CUDA_CHECK(cudaStreamWaitEvent(stream.stream(), ready.event, 0));
+      launch(stream.stream());
+      C10_CUDA_CHECK(cudaEventRecord(work->done()->event, stream.stream()));
+    } catch (...) {
+      check_not_aborted();  // a launch the watchdog's abort ended says why
+      throw;
+    }
+    if (watch_->thread.joinable()) {
+      std::lock_guard<std::mutex> w(watch_->mutex);
+      watch_->pending.push_back(
+          {seq, std::string(op) + " #" + std::to_string(seq), Clock::now(), work->done()});
+    }
   }
   counters_.calls += 1;
   return work;
+}
+
+// The watchdog thread: see Note [NCCL watchdog].
+void NcclGroup::watch() {
+  c10::cuda::CUDAGuard guard(device_);  // event queries on this group's device
+  Watch& w = *watch_;
+  const auto timeout = watch_options_.timeout;
+  const auto period = std::clamp<std::chrono::milliseconds>(
+      timeout / 4, std::chrono::milliseconds(100), std::chrono::milliseconds(1000));
+  std::unique_lock<std::mutex> lock(w.mutex);
+  while (!w.stopping) {
+    w.cv.wait_for(lock, period, [&] { return w.stopping; });
+    if (w.stopping) return;
+    const auto now = Clock::now();
+    std::optional<Watch::Pending> late;
+    for (auto it = w.pending.begin(); it != w.pending.end();) {
+      if (it->done) {
+        const cudaError_t r = cudaEventQuery(it->done->event);
+        if (r != cudaErrorNotReady) {
+          // Done, or a device error that the next wait() reports itself.
+          if (r != cudaSuccess) (void)cudaGetLastError();
+          it = w.pending.erase(it);
+          continue;
+        }
+      }
+      if (!late && now - it->issued > timeout) late = *it;
+      ++it;
+    }
+    if (!late) continue;
+    lock.unlock();
+    const std::string missing =
+        watch_options_.monitor
+            ? watch_options_.monitor->describe_missing(watch_options_.uid, world_ranks_,
+                                                       late->seq, timeout)
+            : std::string("no monitor to tell which ranks are missing");
+    std::ostringstream out;
+    out << "[nccl] " << late->what << " on group " << name_ << " (rank " << rank_ << " of "
+        << size() << ", " << device_ << ") did not complete within " << seconds_of(timeout)
+        << ": " << missing << "; the communicator is aborted.";
+    if (missing.find(kSilentRanks) != std::string::npos) {
+      out << " ---> HINT: check that host and its network; then restart from the last "
+             "checkpoint (--ckpt-path DIR/last), at a smaller world size if the host is gone.";
+    } else {
+      out << " ---> HINT: every rank of a group must call the same collectives in the same "
+             "order; if the ranks are only slow, raise FSDP_COLLECTIVE_TIMEOUT_S (seconds).";
+    }
+    abort_after_timeout(out.str());
+    return;
+  }
+}
+
+void NcclGroup::abort_after_timeout(const std::string& message) {
+  // A launch holding the lock for 2 s is blocked inside NCCL: only the abort ends it.
+  std::unique_lock<std::timed_mutex> issue_lock(issue_mutex_, std::defer_lock);
+  (void)issue_lock.try_lock_for(std::chrono::seconds(2));
+  {
+    std::lock_guard<std::mutex> lock(watch_->mutex);
+    watch_->failure = message;
+  }
+  watch_->aborted.store(true);
+  std::fprintf(stderr, "%s\n", message.c_str());
+  std::fflush(stderr);
+  // Null after an asynchronous error already aborted it (check_async_error, under the lock).
+  if (comm_ != nullptr) ncclCommAbort(comm_);
 }
 
 WorkPtr NcclGroup::all_gather_into_tensor_async(at::Tensor output, at::Tensor input) {
@@ -230,7 +399,8 @@ WorkPtr NcclGroup::all_gather_into_tensor_async(at::Tensor output, at::Tensor in
               " of ", output.scalar_type());
   counters_.all_gather_bytes += input.nbytes();
   const auto dtype = nccl_dtype(input.scalar_type());
-  return issue("all_gather", Lane::kAllGather, {output, input}, [&](cudaStream_t s) {
+  return issue("all_gather", op_code(CollectiveOp::kAllGather), Lane::kAllGather, {output, input},
+               [&](cudaStream_t s) {
     FSDP_NCCL_CHECK(ncclAllGather(input.data_ptr(), output.data_ptr(),
                                   static_cast<size_t>(input.numel()), dtype, comm_, s),
                     comm_, "ncclAllGather");
@@ -248,7 +418,8 @@ WorkPtr NcclGroup::reduce_scatter_tensor_async(at::Tensor output, at::Tensor inp
   counters_.reduce_scatter_bytes += input.nbytes();
   const auto dtype = nccl_dtype(input.scalar_type());
   const auto red = nccl_op(op, input.scalar_type());
-  return issue("reduce_scatter", Lane::kReduceScatter, {output, input}, [&](cudaStream_t s) {
+  return issue("reduce_scatter", op_code(CollectiveOp::kReduceScatter), Lane::kReduceScatter,
+               {output, input}, [&](cudaStream_t s) {
     FSDP_NCCL_CHECK(ncclReduceScatter(input.data_ptr(), output.data_ptr(),
                                       static_cast<size_t>(output.numel()), dtype, red, comm_, s),
                     comm_, "ncclReduceScatter");
@@ -261,7 +432,8 @@ WorkPtr NcclGroup::all_reduce_async(at::Tensor tensor, ReduceOp op) {
   counters_.all_reduce_bytes += tensor.nbytes();
   const auto dtype = nccl_dtype(tensor.scalar_type());
   const auto red = nccl_op(op, tensor.scalar_type());
-  return issue("all_reduce", Lane::kReduceScatter, {tensor}, [&](cudaStream_t s) {
+  return issue("all_reduce", op_code(CollectiveOp::kAllReduce), Lane::kReduceScatter, {tensor},
+               [&](cudaStream_t s) {
     FSDP_NCCL_CHECK(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(),
                                   static_cast<size_t>(tensor.numel()), dtype, red, comm_, s),
                     comm_, "ncclAllReduce");
@@ -275,7 +447,8 @@ WorkPtr NcclGroup::broadcast_async(at::Tensor tensor, int root) {
               " is not a rank of this group (size ", size(), ")");
   counters_.broadcast_bytes += tensor.nbytes();
   const auto dtype = nccl_dtype(tensor.scalar_type());
-  return issue("broadcast", Lane::kAllGather, {tensor}, [&](cudaStream_t s) {
+  return issue("broadcast", op_code(CollectiveOp::kBroadcast), Lane::kAllGather, {tensor},
+               [&](cudaStream_t s) {
     FSDP_NCCL_CHECK(ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(),
                                   static_cast<size_t>(tensor.numel()), dtype, root, comm_, s),
                     comm_, "ncclBroadcast");
@@ -294,7 +467,8 @@ WorkPtr NcclGroup::all_to_all_async(at::Tensor output, at::Tensor input) {
   const auto dtype = nccl_dtype(input.scalar_type());
   const size_t chunk = static_cast<size_t>(input.numel() / size());
   const size_t chunk_bytes = chunk * input.element_size();
-  return issue("all_to_all", Lane::kReduceScatter, {output, input}, [&](cudaStream_t s) {
+  return issue("all_to_all", op_code(CollectiveOp::kAllToAll), Lane::kReduceScatter,
+               {output, input}, [&](cudaStream_t s) {
     auto* in = static_cast<char*>(input.data_ptr());
     auto* out = static_cast<char*>(output.data_ptr());
     FSDP_NCCL_CHECK(ncclGroupStart(), comm_, "ncclGroupStart");
@@ -311,14 +485,14 @@ WorkPtr NcclGroup::all_to_all_async(at::Tensor output, at::Tensor input) {
 WorkPtr NcclGroup::barrier_async() {
   c10::cuda::CUDAGuard guard(device_);
   at::Tensor one = at::ones({1}, at::TensorOptions().dtype(at::kInt).device(device_));
-  return issue("barrier", Lane::kReduceScatter, {one}, [&](cudaStream_t s) {
+  return issue("barrier", op_code(CollectiveOp::kBarrier), Lane::kReduceScatter, {one},
+               [&](cudaStream_t s) {
     FSDP_NCCL_CHECK(ncclAllReduce(one.data_ptr(), one.data_ptr(), 1, ncclInt32, ncclSum, comm_, s),
                     comm_, "ncclAllReduce (barrier)");
   }, /*host_wait=*/true);
 }
 
 std::shared_ptr<ProcessGroup> NcclGroup::new_subgroup(const std::vector<int>& ranks) {
-  TORCH_CHECK(comm_ != nullptr, "[nccl] group ", name_, " is unusable (aborted)");
   std::vector<int> members;  // ranks of this group, in the subgroup's order
   int my_index = -1;
   for (int world_rank : ranks) {
@@ -333,17 +507,47 @@ std::shared_ptr<ProcessGroup> NcclGroup::new_subgroup(const std::vector<int>& ra
   }
   // ncclCommSplit is collective over this communicator: members pass color 0 and their index
   // as key (the subgroup's rank), the others NCCL_SPLIT_NOCOLOR and get no communicator.
+  // A blocking host call: the watchdog times it from now (Note [NCCL watchdog]).
   c10::cuda::CUDAGuard guard(device_);
   ncclComm_t sub = nullptr;
-  FSDP_NCCL_CHECK(ncclCommSplit(comm_, my_index >= 0 ? 0 : NCCL_SPLIT_NOCOLOR,
-                                my_index >= 0 ? my_index : 0, &sub, nullptr),
-                  comm_, "ncclCommSplit");
+  {
+    std::lock_guard<std::timed_mutex> lock(issue_mutex_);
+    check_not_aborted();
+    TORCH_CHECK(comm_ != nullptr, "[nccl] group ", name_, " is unusable (aborted)");
+    const int64_t seq = ++seq_;
+    issued_->store((seq << 4) | op_code(CollectiveOp::kNewSubgroup), std::memory_order_relaxed);
+    const bool watched = watch_->thread.joinable();
+    if (watched) {
+      std::lock_guard<std::mutex> w(watch_->mutex);
+      watch_->pending.push_back({seq, "new_subgroup #" + std::to_string(seq), Clock::now(), {}});
+    }
+    auto unwatch = [&] {
+      if (!watched) return;
+      std::lock_guard<std::mutex> w(watch_->mutex);
+      auto& p = watch_->pending;
+      p.erase(std::remove_if(p.begin(), p.end(), [&](const Watch::Pending& e) {
+                return e.seq == seq;
+              }), p.end());
+    };
+    try {
+      FSDP_NCCL_CHECK(ncclCommSplit(comm_, my_index >= 0 ? 0 : NCCL_SPLIT_NOCOLOR,
+                                    my_index >= 0 ? my_index : 0, &sub, nullptr),
+                      comm_, "ncclCommSplit");
+    } catch (...) {
+      unwatch();
+      check_not_aborted();
+      throw;
+    }
+    unwatch();
+  }
   if (my_index < 0) return nullptr;
   std::ostringstream name;
   name << "[";
   for (size_t i = 0; i < ranks.size(); ++i) name << (i ? "," : "") << ranks[i];
   name << "]";
-  return std::make_shared<NcclGroup>(sub, my_index, ranks, device_, name.str());
+  NcclWatchOptions watch = watch_options_;
+  watch.uid = "nccl" + name.str();  // the same on every member
+  return std::make_shared<NcclGroup>(sub, my_index, ranks, device_, name.str(), std::move(watch));
 }
 
 ProcessGroupPtr make_nccl_group(const NcclGroupOptions& options) {
@@ -373,8 +577,19 @@ ProcessGroupPtr make_nccl_group(const NcclGroupOptions& options) {
                       std::to_string(options.size) + " on " + device.str() + ")");
   std::vector<int> world_ranks;
   for (int r = 0; r < options.size; ++r) world_ranks.push_back(r);
+  // The watchdog's culprit naming: the heartbeats of Note [Collective timeouts], on a store
+  // connection of their own.
+  NcclWatchOptions watch;
+  watch.timeout = options.collective_timeout;
+  watch.uid = "nccl[world]";
+  if (options.size > 1 && options.monitor_store) {
+    const auto period = std::clamp<std::chrono::milliseconds>(
+        options.collective_timeout / 4, std::chrono::milliseconds(100),
+        std::chrono::milliseconds(1000));
+    watch.monitor = std::make_shared<Monitor>(options.monitor_store, options.rank, period);
+  }
   return std::make_shared<NcclGroup>(comm, options.rank, std::move(world_ranks), device,
-                                     "world");
+                                     "world", std::move(watch));
 }
 
 }  // namespace fsdp::detail
