@@ -203,7 +203,7 @@ std::string seconds_of(std::chrono::milliseconds ms) {
 struct NcclGroup::Watch {
   struct Pending {
     int64_t seq = 0;
-    std::string what;  // "all_reduce #17"
+    const char* op = "";  // a string literal: "all_reduce"
     Clock::time_point issued;
     std::shared_ptr<Event> done;  // null: a host call in progress (ncclCommSplit)
   };
@@ -318,7 +318,7 @@ WorkPtr NcclGroup::issue(const char* op, int64_t code, Lane lane, std::vector<at
     if (watch_->thread.joinable()) {
       std::lock_guard<std::mutex> w(watch_->mutex);
       watch_->pending.push_back(
-          {seq, std::string(op) + " #" + std::to_string(seq), Clock::now(), work->done()});
+          {seq, op, Clock::now(), work->done()});
     }
   }
   counters_.calls += 1;
@@ -359,8 +359,9 @@ void NcclGroup::watch() {
                                                        late->seq, timeout)
             : std::string("no monitor to tell which ranks are missing");
     std::ostringstream out;
-    out << "[nccl] " << late->what << " on group " << name_ << " (rank " << rank_ << " of "
-        << size() << ", " << device_ << ") did not complete within " << seconds_of(timeout)
+    out << "[nccl] " << late->op << " #" << late->seq << " on group " << name_ << " (rank "
+        << rank_ << " of " << size() << ", " << device_ << ") did not complete within "
+        << seconds_of(timeout)
         << ": " << missing << "; the communicator is aborted.";
     if (missing.find(kSilentRanks) != std::string::npos) {
       out << " ---> HINT: check that host and its network; then restart from the last "
@@ -519,7 +520,7 @@ std::shared_ptr<ProcessGroup> NcclGroup::new_subgroup(const std::vector<int>& ra
     const bool watched = watch_->thread.joinable();
     if (watched) {
       std::lock_guard<std::mutex> w(watch_->mutex);
-      watch_->pending.push_back({seq, "new_subgroup #" + std::to_string(seq), Clock::now(), {}});
+      watch_->pending.push_back({seq, "new_subgroup", Clock::now(), {}});
     }
     auto unwatch = [&] {
       if (!watched) return;
