@@ -20,7 +20,7 @@ namespace {
 using fsdp::testing::hf_scratch;
 using fsdp::testing::max_abs_diff;
 using fsdp::testing::read_tensors;
-using fsdp::testing::run_hf_reference;
+using fsdp::testing::run_hf_reference_shared;
 using fsdp::testing::write_tensors;
 
 // Inputs: name -> tensor to quantize.
@@ -61,7 +61,8 @@ class Bnb : public ::testing::Test {
     in.emplace_back("lin.x", at::randn({2, 5, 128}, gen));
     in.emplace_back("lin.g", at::randn({2, 5, 96}, gen));
     write_tensors(dir + "/in.safetensors", in);
-    run_hf_reference({"bnb", dir + "/in.safetensors", dir + "/out.safetensors"});
+    // One bitsandbytes run for the suite's tests (Note [Shared referee runs]).
+    run_hf_reference_shared("bnb", "bnb", dir + "/in.safetensors", dir + "/out.safetensors");
     inputs_ = new std::map<std::string, at::Tensor>(in.begin(), in.end());
     want_ = new std::map<std::string, at::Tensor>(read_tensors(dir + "/out.safetensors"));
   }
