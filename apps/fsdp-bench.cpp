@@ -1,5 +1,6 @@
 // fsdp-bench: benchmarks that print JSON. Subcommands live in bench/*.cpp.
 
+#include <algorithm>
 #include <cstdio>
 #include <iostream>
 
@@ -35,6 +36,9 @@ Registrar::Registrar(const std::string& name, const std::string& help, Command c
 
 int main(int argc, char** argv) {
   using fsdp::bench::registry;
+  // By name: the order of the files' registrations depends on how they were compiled and linked.
+  std::sort(registry().begin(), registry().end(),
+            [](const auto& a, const auto& b) { return a.name < b.name; });
   auto usage = [] {
     std::cerr << "usage: fsdp-bench SUBCOMMAND [ARGS...]   (SUBCOMMAND --help for its flags)\n"
                  "subcommands:\n";

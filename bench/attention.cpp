@@ -144,7 +144,7 @@ int run_attention(const std::vector<std::string>& args) {
   return 0;
 }
 
-fsdp::bench::Registrar reg("attention",
+fsdp::bench::Registrar reg_attention("attention",
                            "demo-model attention forward+backward: manual kernel vs "
                            "scaled_dot_product_attention (fp32/bf16, dropout, masks)",
                            run_attention);

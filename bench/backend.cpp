@@ -28,16 +28,6 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-std::vector<std::string> split_csv(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream in(s);
-  std::string item;
-  while (std::getline(in, item, ',')) {
-    if (!item.empty()) out.push_back(item);
-  }
-  return out;
-}
-
 int run_backend(const std::vector<std::string>& args) {
   CLI::App app{"fsdp-bench backend: --backend auto vs gloo and mpi",
                "fsdp-bench backend"};
@@ -74,7 +64,7 @@ int run_backend(const std::vector<std::string>& args) {
   t << std::fixed << std::setprecision(3)
     << "| strategy | gloo it/s | mpi it/s | auto it/s | auto chose | auto / fastest |\n"
     << "|---|---:|---:|---:|---|---:|\n";
-  for (const auto& strategy : split_csv(strategies)) {
+  for (const auto& strategy : fsdp::bench::split_list(strategies)) {
     json row{{"strategy", strategy}};
     double best = 0;
     for (const std::string backend : {"gloo", "mpi", "auto"}) {
@@ -122,6 +112,6 @@ int run_backend(const std::vector<std::string>& args) {
   return ok ? 0 : 1;
 }
 
-fsdp::bench::Registrar reg("backend", "--backend auto vs gloo and mpi", run_backend);
+fsdp::bench::Registrar reg_backend("backend", "--backend auto vs gloo and mpi", run_backend);
 
 }  // namespace

@@ -178,7 +178,7 @@ int run_checkpoint(const std::vector<std::string>& args) {
   return 0;
 }
 
-fsdp::bench::Registrar reg("checkpoint",
+fsdp::bench::Registrar reg_checkpoint("checkpoint",
                            "checkpoint save/load time and peak memory per rank (full vs "
                            "sharded, fsdp) and the streaming converter",
                            run_checkpoint);

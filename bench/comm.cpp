@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "../bench/bench.h"
+#include "../bench/runs.h"
 #include "comm/launcher_detail.h"
 #include "fsdp/comm.h"
 
@@ -33,20 +34,6 @@ using Clock = std::chrono::steady_clock;
 using nlohmann::json;
 constexpr const char* kResultMarker = "FSDP_BENCH_COMM_RESULT ";
 
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-std::vector<std::string> split_csv(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream in(s);
-  std::string item;
-  while (std::getline(in, item, ',')) {
-    if (!item.empty()) out.push_back(item);
-  }
-  return out;
-}
-
 // Single-thread memcpy of `bytes`, best of a few repetitions: GB/s (1e9 bytes/s).
 double memcpy_gbps(int64_t bytes) {
   std::vector<char> a(bytes, 1), b(bytes, 2);
@@ -55,7 +42,7 @@ double memcpy_gbps(int64_t bytes) {
   for (int i = 0; i < reps + 1; ++i) {
     auto t0 = Clock::now();
     std::memcpy(b.data(), a.data(), bytes);
-    double t = seconds_since(t0);
+    double t = fsdp::bench::seconds_since(t0);
     if (i > 0) best = std::min(best, t);  // first one touches pages
     a[i % bytes] = b[(i * 7) % bytes];     // keep the copies observable
   }
@@ -74,12 +61,12 @@ double time_op(fsdp::ProcessGroup& pg, const std::function<void()>& op, double b
   auto t0 = Clock::now();
   op();
   // Every rank must run the same number of collectives: derive it from the agreed time.
-  const double once = slowest(seconds_since(t0));
+  const double once = slowest(fsdp::bench::seconds_since(t0));
   const int iters = std::clamp(static_cast<int>(budget_s / std::max(once, 1e-6)), 2, 50);
   pg.barrier();
   t0 = Clock::now();
   for (int i = 0; i < iters; ++i) op();
-  return slowest(seconds_since(t0) / iters);
+  return slowest(fsdp::bench::seconds_since(t0) / iters);
 }
 
 // Async overlap: all-gather of 16 MiB while the caller runs matmuls of about the same duration.
@@ -94,7 +81,7 @@ json measure_overlap(fsdp::ProcessGroup& pg) {
   auto b = at::rand({384, 384});
   auto t0 = Clock::now();
   for (int i = 0; i < 5; ++i) b = at::mm(a, b).div_(384);
-  double t_mm = seconds_since(t0) / 5;
+  double t_mm = fsdp::bench::seconds_since(t0) / 5;
   int k = std::max(1, static_cast<int>(t_comm / t_mm));
   auto compute = [&] {
     for (int i = 0; i < k; ++i) b = at::mm(a, b).div_(384);
@@ -213,7 +200,7 @@ int run_comm(const std::vector<std::string>& args) {
   app.add_flag("--worker", worker, "internal: run as one rank")->group("");
   if (auto status = fsdp::bench::parse_args(app, "comm", args)) return *status;
   std::vector<int> sizes_mib;
-  for (const auto& s : split_csv(sizes)) sizes_mib.push_back(std::stoi(s));
+  for (const auto& s : fsdp::bench::split_list(sizes)) sizes_mib.push_back(std::stoi(s));
   TORCH_CHECK(!sizes_mib.empty(), "[fsdp-bench comm] --sizes-mib is empty");
   if (worker) return run_worker(sizes_mib);
 
@@ -230,10 +217,10 @@ int run_comm(const std::vector<std::string>& args) {
   out["memcpy_gbps"] = memcpy_json;
   json rows = json::array();
   json overlaps = json::array();
-  for (const auto& backend : split_csv(backends)) {
+  for (const auto& backend : fsdp::bench::split_list(backends)) {
     TORCH_CHECK(backend == "gloo" || backend == "mpi", "[fsdp-bench comm] unknown backend '",
                 backend, "'; valid: gloo, mpi");
-    for (const auto& ws : split_csv(worlds)) {
+    for (const auto& ws : fsdp::bench::split_list(worlds)) {
       int world = std::stoi(ws);
       json r = run_config(backend, world, sizes);
       for (auto& row : r["results"]) {

@@ -47,7 +47,7 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
-struct Options {
+struct CpuAdamOptions {
   int64_t numel = 104857600;       // 100 Mi parameters
   int64_t tensor_numel = 4194304;  // split into tensors of this size (the last one smaller)
   std::string threads = "1,2";
@@ -58,24 +58,13 @@ struct Options {
   double timeout_s = 1800;
 };
 
-std::string load_average() {
-  std::istringstream in(fsdp::bench::read_text("/proc/loadavg"));
-  std::string a, b, c;
-  in >> a >> b >> c;
-  return a + " " + b + " " + c;
-}
-
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0.0 : v[v.size() / 2];
 }
 
 // The parameters (with gradients) the optimizers step: numel elements in tensors.
-std::vector<at::Tensor> make_params(const Options& o, at::ScalarType dtype) {
+std::vector<at::Tensor> make_params(const CpuAdamOptions& o, at::ScalarType dtype) {
   std::vector<at::Tensor> params;
   for (int64_t done = 0; done < o.numel; done += o.tensor_numel) {
     const int64_t n = std::min(o.tensor_numel, o.numel - done);
@@ -87,18 +76,18 @@ std::vector<at::Tensor> make_params(const Options& o, at::ScalarType dtype) {
 }
 
 // Step times (s) of `opt`: warm-up steps, then the timed ones.
-json time_steps(torch::optim::Optimizer& opt, const Options& o) {
+json time_steps(torch::optim::Optimizer& opt, const CpuAdamOptions& o) {
   for (int i = 0; i < o.warmup; ++i) opt.step();
   std::vector<double> times;
   for (int i = 0; i < o.steps; ++i) {
     auto t0 = Clock::now();
     opt.step();
-    times.push_back(seconds_since(t0));
+    times.push_back(fsdp::bench::seconds_since(t0));
   }
   return {{"step_seconds", times}, {"median_s", median(times)}};
 }
 
-json run_deepspeed(const Options& o, int threads) {
+json run_deepspeed(const CpuAdamOptions& o, int threads) {
   const fs::path dir = fs::temp_directory_path() / "fsdp-bench-cpu-adam";
   fs::create_directories(dir);
   const std::string script = (fs::path(fsdp::bench::peers_dir()) / "deepspeed_cpu_adam.py").string();
@@ -126,7 +115,7 @@ double field(const json& j, const char* key) {
 json ratio(double num, double den) { return den > 0 && num > 0 ? json(num / den) : json(nullptr); }
 
 int run_cpu_adam(const std::vector<std::string>& args) {
-  Options o;
+  CpuAdamOptions o;
   CLI::App app{"fsdp-bench cpu_adam"};
   app.add_option("--numel", o.numel, "parameters stepped (all tensors)")
       ->check(fsdp::cli::at_least(int64_t{1}));
@@ -155,7 +144,7 @@ int run_cpu_adam(const std::vector<std::string>& args) {
               {"isa", fsdp::optim::CPUAdam::isa()},
               {"hyperparameters", "lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 0.01"},
               {"bytes_per_element", {{"fp32", 28}, {"bf16_params", 22}}},
-              {"load_average_start", load_average()}};
+              {"load_average_start", fsdp::bench::load_average()}};
   json runs = json::array();
   for (int threads : thread_counts) {
     at::set_num_threads(threads);
@@ -209,7 +198,7 @@ int run_cpu_adam(const std::vector<std::string>& args) {
   }
   at::set_num_threads(threads_before);
   out["runs"] = runs;
-  out["load_average_end"] = load_average();
+  out["load_average_end"] = fsdp::bench::load_average();
 
   std::cerr << "\n| threads | in-place GB/s | torch Adam | torch AdamW | CPUAdam | CPUAdamW | "
                "CPUAdamW bf16 | floor fp32 | CPUAdamW vs torch AdamW | floor / CPUAdamW | "
@@ -250,7 +239,7 @@ int run_cpu_adam(const std::vector<std::string>& args) {
   return 0;
 }
 
-const fsdp::bench::Registrar kRegistrar(
+const fsdp::bench::Registrar reg_cpu_adam(
     "cpu_adam",
     "fsdp::optim::CPUAdam step time vs libtorch Adam/AdamW, the memory-bandwidth floor and "
     "DeepSpeedCPUAdam on 100M+ parameters",

@@ -41,7 +41,7 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-struct Options {
+struct DdpHooksOptions {
   fsdp::bench::TrainRun run;  // run.devices is set per world
   std::vector<int> worlds = {2, 4};
   int64_t steps = 5;   // timed optimizer steps
@@ -79,7 +79,7 @@ const std::vector<Hook>& all_hooks() {
 }
 
 // The hook's settings, as fsdp-train flags and as the peer's (the same names but two).
-std::vector<std::string> hook_flags(const Options& o, const Hook& h, bool peer) {
+std::vector<std::string> hook_flags(const DdpHooksOptions& o, const Hook& h, bool peer) {
   std::vector<std::string> f = {peer ? "--hook" : "--ddp-comm-hook", h.hook,
                                 peer ? "--wrapper" : "--ddp-comm-wrapper", h.wrapper};
   if (h.hook == "powersgd" || h.hook == "batched_powersgd") {
@@ -94,7 +94,7 @@ std::vector<std::string> hook_flags(const Options& o, const Hook& h, bool peer) 
   return f;
 }
 
-json finish(json r, const Options& o) {
+json finish(json r, const DdpHooksOptions& o) {
   if (r.contains("error")) return r;
   const auto ends = r.value("step_end_seconds", std::vector<double>{});
   r["it_per_s"] = fsdp::bench::it_per_s(ends, static_cast<int>(o.warmup));
@@ -111,7 +111,7 @@ json finish(json r, const Options& o) {
   return r;
 }
 
-json run_one(const Options& o, const Hook& h, const std::string& system,
+json run_one(const DdpHooksOptions& o, const Hook& h, const std::string& system,
              const fs::path& weights, bool save_weights) {
   const std::string name = system + "-" + h.name;
   json r;
@@ -163,7 +163,7 @@ void add_ratios(json& runs) {
   }
 }
 
-std::string markdown_table(const json& out) {
+std::string hooks_markdown_table(const json& out) {
   std::ostringstream md;
   const int64_t n = out["config"]["warmup"].get<int64_t>() + out["config"]["steps"].get<int64_t>();
   md << "| world | hook | system | bytes/step/rank | vs allreduce | it/s | vs allreduce "
@@ -193,7 +193,7 @@ std::string markdown_table(const json& out) {
 }
 
 int run_ddp_hooks(const std::vector<std::string>& args) {
-  Options o;
+  DdpHooksOptions o;
   fsdp::bench::TrainRun& run = o.run;
   run.dropout = 0;  // the two systems draw dropout masks from different generators
   run.vocab_size = 1024;
@@ -328,10 +328,10 @@ int run_ddp_hooks(const std::vector<std::string>& args) {
   add_ratios(runs);
   out["runs"] = runs;
   out["work_dir"] = root.string();
-  return fsdp::bench::print_report(out, o.markdown, markdown_table);
+  return fsdp::bench::print_report(out, o.markdown, hooks_markdown_table);
 }
 
-fsdp::bench::Registrar reg("ddp-hooks",
+fsdp::bench::Registrar reg_ddp_hooks("ddp-hooks",
                            "DDP comm hooks, fsdp.cpp vs PyTorch DDP: bytes/step, it/s, loss (JSON)",
                            run_ddp_hooks);
 

@@ -60,10 +60,6 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
-double seconds_since(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
-}
-
 // Best-of-`reps` seconds of fn() after one warm-up call.
 template <typename F>
 double best_seconds(F&& fn, int reps) {
@@ -72,7 +68,7 @@ double best_seconds(F&& fn, int reps) {
   for (int i = 0; i < reps; ++i) {
     auto t0 = Clock::now();
     fn();
-    best = std::min(best, seconds_since(t0));
+    best = std::min(best, fsdp::bench::seconds_since(t0));
   }
   return best;
 }
@@ -389,7 +385,7 @@ json run_llmc(const fs::path& exe, const fs::path& dir, int steps, int threads) 
       exited = true;
       break;
     }
-    if (seconds_since(start) > 3600) break;
+    if (fsdp::bench::seconds_since(start) > 3600) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
   }
   if (!exited) {

@@ -119,7 +119,7 @@ int run_init(const std::vector<std::string>& args) {
   return 0;
 }
 
-fsdp::bench::Registrar reg("init",
+fsdp::bench::Registrar reg_init("init",
                            "FSDP setup time and peak memory: deferred vs eager init (and "
                            "empty_init)",
                            run_init);

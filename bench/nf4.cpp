@@ -52,7 +52,7 @@ std::vector<int> parse_threads(const std::string& s) {
   return out;
 }
 
-double median(std::vector<double> v) {
+double median_of(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
 }
@@ -114,7 +114,7 @@ int run_nf4(const std::vector<std::string>& args) {
         }
         if (r > 0) s.push_back(std::chrono::duration<double>(Clock::now() - start).count());
       }
-      return median(s);
+      return median_of(s);
     };
     const double old_s = time_kernel(true), new_s = time_kernel(false);
     const double floor_s = pass_bytes / bandwidth;
@@ -143,7 +143,8 @@ int run_nf4(const std::vector<std::string>& args) {
   return all_equal ? 0 : 1;
 }
 
-const fsdp::bench::Registrar reg("nf4", "NF4 dequantization of one Llama layer: old vs new kernel vs the bandwidth floor",
+const fsdp::bench::Registrar reg_nf4(
+    "nf4", "NF4 dequantization of one Llama layer: old vs new kernel vs the bandwidth floor",
                                  run_nf4);
 
 }  // namespace

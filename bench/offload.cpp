@@ -55,7 +55,7 @@ namespace {
 using nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
-struct Options {
+struct OffloadOptions {
   std::string dir = "/tmp";
   int64_t numel = 67108864;          // 64 Mi fp32 parameters: 512 MiB of moments on disk
   int64_t sub_group_size = 8388608;  // 8 Mi elements: 64 MiB records
@@ -67,10 +67,6 @@ struct Options {
   int stage3_params_buffer_count = 5;  // offload_param.buffer_count (DeepSpeed's default 5)
   bool only_stage3 = false;
 };
-
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
 
 // Synchronous O_DIRECT sequential write then read of `bytes`, one block per call.
 json disk_baseline(const std::string& path, int64_t bytes, int64_t block) {
@@ -87,13 +83,13 @@ json disk_baseline(const std::string& path, int64_t bytes, int64_t block) {
                 std::strerror(errno));
   }
   ::fdatasync(fd);
-  const double tw = seconds_since(t0);
+  const double tw = fsdp::bench::seconds_since(t0);
   t0 = Clock::now();
   for (int64_t off = 0; off < bytes; off += block) {
     TORCH_CHECK(::pread(fd, buf.data(), block, off) == block, "[fsdp-bench offload] pread: ",
                 std::strerror(errno));
   }
-  const double tr = seconds_since(t0);
+  const double tr = fsdp::bench::seconds_since(t0);
   ::close(fd);
   ::unlink(path.c_str());
   return {{"write_gb_s", bytes / tw / 1e9}, {"read_gb_s", bytes / tr / 1e9},
@@ -110,27 +106,27 @@ json swapper_raw(const std::string& dir, int64_t bytes, const fsdp::AioOptions& 
   auto t0 = Clock::now();
   engine.wait(engine.write(fd, buf.data(), bytes, 0, sd.files()[0]));
   ::fdatasync(fd);
-  const double tw = seconds_since(t0);
+  const double tw = fsdp::bench::seconds_since(t0);
   t0 = Clock::now();
   engine.wait(engine.read(fd, buf.data(), bytes, 0, sd.files()[0]));
-  const double tr = seconds_since(t0);
+  const double tr = fsdp::bench::seconds_since(t0);
   return {{"write_gb_s", bytes / tw / 1e9}, {"read_gb_s", bytes / tr / 1e9}};
 }
 
 // Step + compute standing in for the next forward, with the step's last writes waited for at
 // its end vs left in flight over the compute (NvmeAdam::Options::overlap_last_writes), the
 // same optimizer, one run after the other.
-json overlap_last_writes(const Options& o, torch::optim::Optimizer& opt,
+json overlap_last_writes(const OffloadOptions& o, torch::optim::Optimizer& opt,
                          fsdp::detail::NvmeAdam::Options no) {
   at::Tensor a = at::randn({384, 384}), b = at::randn({384, 384});
   auto t0 = Clock::now();
   int64_t calib = 0;
-  while (seconds_since(t0) < 0.2) {
+  while (fsdp::bench::seconds_since(t0) < 0.2) {
     at::mm_out(b, a, a);
     ++calib;
   }
   const int64_t mms = std::max<int64_t>(
-      1, static_cast<int64_t>(calib * o.forward_ms / 1000.0 / seconds_since(t0)));
+      1, static_cast<int64_t>(calib * o.forward_ms / 1000.0 / fsdp::bench::seconds_since(t0)));
   json out = {{"forward_matmuls", mms}, {"forward_ms_target", o.forward_ms}};
   for (bool overlap : {false, true}) {
     no.job = overlap ? "fsdp-bench-offload-overlap" : "fsdp-bench-offload-wait";
@@ -143,8 +139,8 @@ json overlap_last_writes(const Options& o, torch::optim::Optimizer& opt,
       nvme.step(opt);
       auto t2 = Clock::now();
       for (int64_t k = 0; k < mms; ++k) at::mm_out(b, a, a);
-      forwards.push_back(seconds_since(t2));
-      times.push_back(seconds_since(t1));
+      forwards.push_back(fsdp::bench::seconds_since(t2));
+      times.push_back(fsdp::bench::seconds_since(t1));
     }
     nvme.flush();
     std::sort(times.begin(), times.end());
@@ -159,7 +155,7 @@ json overlap_last_writes(const Options& o, torch::optim::Optimizer& opt,
 }
 
 // The stage-3 part: three fsdp-train runs of the same model and batches, one after the other.
-json stage3_comparison(const Options& o) {
+json stage3_comparison(const OffloadOptions& o) {
   namespace fs = std::filesystem;
   fsdp::bench::TrainRun run;
   run.model = o.stage3_model;
@@ -223,7 +219,7 @@ json stage3_comparison(const Options& o) {
 }
 
 int run_offload(const std::vector<std::string>& args) {
-  Options o;
+  OffloadOptions o;
   CLI::App app{"fsdp-bench offload"};
   app.add_option("--dir", o.dir, "directory on the disk to measure (files removed after)");
   app.add_option("--numel", o.numel, "fp32 parameters the optimizer steps");
@@ -288,7 +284,7 @@ int run_offload(const std::vector<std::string>& args) {
   for (int i = 0; i < o.steps; ++i) {
     auto t0 = Clock::now();
     nvme.step(opt);
-    times.push_back(seconds_since(t0));
+    times.push_back(fsdp::bench::seconds_since(t0));
   }
   const int64_t moved = nvme.io_bytes() - io0;  // read + written
   std::sort(times.begin(), times.end());
@@ -312,7 +308,7 @@ int run_offload(const std::vector<std::string>& args) {
   return 0;
 }
 
-const fsdp::bench::Registrar kRegistrar(
+const fsdp::bench::Registrar reg_offload(
     "offload",
     "disk tier: O_DIRECT disk bandwidth vs the io_uring swapper and the pipelined NVMe Adam step",
     run_offload);

@@ -192,7 +192,7 @@ int run_optimizer(const std::vector<std::string>& args) {
   return 0;
 }
 
-fsdp::bench::Registrar reg("optimizer",
+fsdp::bench::Registrar reg_optimizer("optimizer",
                            "fp32 Adam/AdamW step: torch::optim vs ATen foreach vs fused kernels",
                            run_optimizer);
 

@@ -98,7 +98,7 @@ int run_overlap_run(const std::vector<std::string>& args) {
   return 0;
 }
 
-fsdp::bench::Registrar reg("overlap-run",
+fsdp::bench::Registrar reg_overlap_run("overlap-run",
                            "one run of `overlap` with real, local or serial collectives (run by "
                            "overlap)",
                            run_overlap_run);

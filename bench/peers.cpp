@@ -53,8 +53,9 @@ namespace {
 namespace fs = std::filesystem;
 using fsdp::bench::fixed;
 using nlohmann::json;
+using fsdp::bench::max_of;
 
-struct Options {
+struct PeersOptions {
   fsdp::bench::TrainRun run;  // model, data, batch, devices; run.steps = warmup + steps
   int64_t steps = 5;          // timed optimizer steps
   int64_t warmup = 2;         // untimed optimizer steps before them
@@ -66,7 +67,7 @@ struct Options {
   std::string markdown;
 };
 
-struct Config {
+struct PeersConfig {
   std::string name;        // the --configs name
   std::string label;       // table column
   std::string fsdp_train;  // --strategy for fsdp-train
@@ -75,8 +76,8 @@ struct Config {
   std::string precision;
 };
 
-const std::vector<Config>& all_configs() {
-  static const std::vector<Config> configs = {
+const std::vector<PeersConfig>& all_configs() {
+  static const std::vector<PeersConfig> configs = {
       {"ddp", "DDP", "ddp", "", "ddp", "32-true"},
       {"full_shard", "FULL_SHARD", "fsdp", "FULL_SHARD", "fsdp-full-shard", "32-true"},
       {"shard_grad_op", "SHARD_GRAD_OP", "fsdp", "SHARD_GRAD_OP", "fsdp-shard-grad-op", "32-true"},
@@ -92,14 +93,8 @@ const std::vector<Config>& all_configs() {
   return configs;
 }
 
-double max_of(const json& values) {
-  double m = 0;
-  for (const auto& v : values) m = std::max(m, v.get<double>());
-  return m;
-}
-
 // Fields every run reports; `r` has "error" instead when it failed.
-json finish(json r, const Options& o) {
+json finish(json r, const PeersOptions& o) {
   if (r.contains("error")) return r;
   const auto ends = r.value("step_end_seconds", std::vector<double>{});
   r["it_per_s"] = fsdp::bench::it_per_s(ends, static_cast<int>(o.warmup));
@@ -114,7 +109,7 @@ json finish(json r, const Options& o) {
   return r;
 }
 
-json run_one(const Options& o, const Config& c, const std::string& system) {
+json run_one(const PeersOptions& o, const PeersConfig& c, const std::string& system) {
   const std::string name = system + "-" + c.name;
   json r;
   if (system == "fsdp.cpp") {
@@ -134,7 +129,7 @@ json run_one(const Options& o, const Config& c, const std::string& system) {
   return r;
 }
 
-std::string markdown_table(const json& out) {
+std::string peers_markdown_table(const json& out) {
   std::ostringstream md;
   const auto& cfg = out["config"];
   md << "| configuration | system | it/s | vs PyTorch DDP | peak RSS/rank (MiB) | vs PyTorch DDP "
@@ -163,7 +158,7 @@ std::string markdown_table(const json& out) {
 }
 
 int run_peers(const std::vector<std::string>& args) {
-  Options o;
+  PeersOptions o;
   fsdp::bench::TrainRun& run = o.run;
   std::string systems_arg = "pytorch,fsdp.cpp,lightning";
   std::string configs_arg = "ddp,full_shard,shard_grad_op,full_shard_bf16";
@@ -218,10 +213,10 @@ int run_peers(const std::vector<std::string>& args) {
       return 2;
     }
   }
-  auto picked = fsdp::bench::pick_by_name(all_configs(), &Config::name, configs_arg, "peers",
+  auto picked = fsdp::bench::pick_by_name(all_configs(), &PeersConfig::name, configs_arg, "peers",
                                           "configuration", "--configs");
   if (!picked) return 2;
-  const std::vector<Config> configs = std::move(*picked);
+  const std::vector<PeersConfig> configs = std::move(*picked);
   run.steps = o.warmup + o.steps;
   run.vocab_size = fsdp::demos::transformer_preset(run.model, run.vocab_size).vocab_size;
   if (o.fsdp_train.empty()) o.fsdp_train = (fsdp::bench::self_dir() / "fsdp-train").string();
@@ -300,10 +295,10 @@ int run_peers(const std::vector<std::string>& args) {
   out["baseline"] = base ? json("pytorch-ddp") : json(nullptr);
   out["runs"] = runs;
   out["work_dir"] = run.dir.string();
-  return fsdp::bench::print_report(out, o.markdown, markdown_table);
+  return fsdp::bench::print_report(out, o.markdown, peers_markdown_table);
 }
 
-fsdp::bench::Registrar reg("peers",
+fsdp::bench::Registrar reg_peers("peers",
                            "fsdp.cpp vs PyTorch DDP/FSDP2 and Lightning: it/s, peak RSS (JSON)",
                            run_peers);
 

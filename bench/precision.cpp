@@ -164,7 +164,7 @@ int run_precision(const std::vector<std::string>& args) {
   return 0;
 }
 
-fsdp::bench::Registrar reg("precision",
+fsdp::bench::Registrar reg_precision("precision",
                            "fp32 vs bf16 vs fp16 on this CPU: matmul, linear, softmax, layer "
                            "norm, embedding backward, and one demo-model training step",
                            run_precision);

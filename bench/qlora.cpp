@@ -18,6 +18,7 @@
 // and the --dry-run plan of the recipe's 8B layout at --world ranks. The machine's load average
 // is recorded beside the numbers (ranks share the cores with whatever else runs).
 #include "bench.h"
+#include "runs.h"
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -35,8 +36,9 @@ namespace {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
+using fsdp::bench::max_of;
 
-struct Options {
+struct QloraOptions {
   std::string preset = "llama-1b";
   int world = 2;
   int64_t steps = 4;
@@ -54,7 +56,7 @@ json load_json(const fs::path& p) {
 
 // Runs fsdp-finetune with `args`, output to dir/<name>.log; its --summary-json, or a JSON
 // error naming the log.
-json finetune(const Options& o, const std::string& name, std::vector<std::string> args) {
+json finetune(const QloraOptions& o, const std::string& name, std::vector<std::string> args) {
   const fs::path summary = fs::path(o.work_dir) / (name + ".json");
   const fs::path log = fs::path(o.work_dir) / (name + ".log");
   std::string cmd = "'" + (fsdp::bench::self_dir() / "fsdp-finetune").string() + "'";
@@ -69,15 +71,9 @@ json finetune(const Options& o, const std::string& name, std::vector<std::string
   return load_json(summary);
 }
 
-double max_of(const json& v) {
-  double m = 0;
-  for (const auto& x : v) m = std::max(m, x.get<double>());
-  return m;
-}
-
 int run_qlora(const std::vector<std::string>& args) {
   CLI::App app{"fsdp-bench qlora"};
-  Options o;
+  QloraOptions o;
   app.add_option("--preset", o.preset, "Llama layout (fsdp-finetune --preset)");
   app.add_option("--world", o.world, "ranks");
   app.add_option("--steps", o.steps, "optimizer steps per run (the first is warm-up)");
@@ -126,7 +122,8 @@ int run_qlora(const std::vector<std::string>& args) {
   }
   if (qlora.contains("it_per_s") && lora.contains("it_per_s")) {
     out["it_per_s_ratio_qlora_over_lora_bf16"] = qlora["it_per_s"].get<double>() / lora["it_per_s"].get<double>();
-    out["peak_alloc_ratio_qlora_over_lora_bf16"] = max_of(qlora["peak_alloc_mb"]) / max_of(lora["peak_alloc_mb"]);
+    out["peak_alloc_ratio_qlora_over_lora_bf16"] =
+        max_of(qlora["peak_alloc_mb"]) / max_of(lora["peak_alloc_mb"]);
     out["setup_peak_alloc_ratio_qlora_over_lora_bf16"] =
         max_of(qlora["setup_peak_alloc_mb"]) / max_of(lora["setup_peak_alloc_mb"]);
   }
@@ -140,6 +137,7 @@ int run_qlora(const std::vector<std::string>& args) {
   return 0;
 }
 
-const fsdp::bench::Registrar reg("qlora", "QLoRA vs bf16 LoRA: it/s and peak memory per rank", run_qlora);
+const fsdp::bench::Registrar reg_qlora(
+    "qlora", "QLoRA vs bf16 LoRA: it/s and peak memory per rank", run_qlora);
 
 }  // namespace

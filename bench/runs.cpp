@@ -236,6 +236,12 @@ std::vector<std::string> split_list(const std::string& comma_list) {
   return v;
 }
 
+double max_of(const nlohmann::json& values) {
+  double m = 0;
+  for (const auto& v : values) m = std::max(m, v.get<double>());
+  return m;
+}
+
 int print_report(nlohmann::json& out, const std::string& markdown_file,
                  const std::function<std::string(const nlohmann::json&)>& markdown_table) {
   out["load_average_end"] = load_average();

@@ -7,6 +7,7 @@
 
 #include <filesystem>
 #include <algorithm>
+#include <chrono>
 #include <functional>
 #include <iostream>
 #include <optional>
@@ -71,6 +72,12 @@ std::string load_average();
 std::string fixed(double v, int digits);
 // "a,b,,c" -> {"a", "b", "c"}.
 std::vector<std::string> split_list(const std::string& comma_list);
+// Seconds since t0 on the steady clock.
+inline double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+// The largest number of a JSON array (0 for an empty one).
+double max_of(const nlohmann::json& values);
 
 // The entries of `all` named in `comma_list` (in its order; `name` is each entry's name field),
 // or std::nullopt after printing "fsdp-bench <bench>: error: unknown <what> 'x' in <flag>; valid:

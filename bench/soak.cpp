@@ -283,7 +283,7 @@ int run_soak(const std::vector<std::string>& args) {
   return died ? 1 : 0;
 }
 
-fsdp::bench::Registrar reg("soak", "RSS, descriptors and threads of a long FSDP run",
+fsdp::bench::Registrar reg_soak("soak", "RSS, descriptors and threads of a long FSDP run",
                            run_soak);
 
 }  // namespace

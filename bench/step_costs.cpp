@@ -76,13 +76,6 @@ bool prepare(Common& c, const std::string& name, bool runs_fsdp_train) {
   return true;
 }
 
-std::string load_average() {
-  std::ifstream f("/proc/loadavg");
-  std::string a, b, c;
-  f >> a >> b >> c;
-  return a + " " + b + " " + c;
-}
-
 double mean(const json& values) {
   if (!values.is_array() || values.empty()) return 0;
   double s = 0;
@@ -90,7 +83,7 @@ double mean(const json& values) {
   return s / static_cast<double>(values.size());
 }
 
-double max_of(const json& values) {
+double max_of_array(const json& values) {
   double m = 0;
   if (values.is_array()) {
     for (const auto& v : values) m = std::max(m, v.get<double>());
@@ -126,7 +119,7 @@ class ScopedEnv {
 // A run's summary (fsdp-train --summary-json, or fsdp-bench overlap-run's), reduced to the
 // numbers these benchmarks compare.
 json reduce_run(const json& r, const std::string& command) {
-  json out = {{"command", command}, {"load_average_after", load_average()}};
+  json out = {{"command", command}, {"load_average_after", fsdp::bench::load_average()}};
   if (r.contains("error")) {
     out["error"] = r["error"];
     return out;
@@ -142,8 +135,8 @@ json reduce_run(const json& r, const std::string& command) {
                        out["user_seconds_per_step"].get<double>();
     out["sys_fraction_of_cpu"] = cpu > 0 ? out["sys_seconds_per_step"].get<double>() / cpu : 0.0;
   }
-  out["peak_alloc_mb"] = max_of(r.value("peak_alloc_mb", json::array()));
-  out["peak_rss_mb"] = max_of(r.value("peak_rss_mb", json::array()));
+  out["peak_alloc_mb"] = max_of_array(r.value("peak_alloc_mb", json::array()));
+  out["peak_rss_mb"] = max_of_array(r.value("peak_rss_mb", json::array()));
   out["final_loss"] = r.contains("losses") && !r["losses"].empty() ? r["losses"].back() : json();
   return out;
 }
@@ -206,7 +199,7 @@ json config_of(const Common& c) {
           {"devices", c.run.devices},   {"batch_size_per_rank", c.run.batch_size},
           {"steps", c.run.steps},       {"timed_steps", c.run.steps - 1},
           {"backend", c.backend},       {"cores", std::thread::hardware_concurrency()},
-          {"load_average_before", load_average()}};
+          {"load_average_before", fsdp::bench::load_average()}};
 }
 
 int run_faults(const std::vector<std::string>& args) {

@@ -42,8 +42,9 @@ namespace {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
+using fsdp::bench::max_of;
 
-struct Config {
+struct StrategiesConfig {
   std::string model = "transformer-small";
   int devices = 2;
   int64_t steps = 6;  // the first is warm-up (not timed by fsdp-train)
@@ -59,12 +60,6 @@ struct Config {
   std::string only;  // comma list of column labels to run (empty: all)
   double timeout_s = 7200;  // per fsdp-train run (transformer-1b steps take ~45 s)
 };
-
-double max_of(const json& list) {
-  double m = 0;
-  for (const auto& v : list) m = std::max(m, v.get<double>());
-  return m;
-}
 
 struct Entry {
   std::string label;     // table column
@@ -96,7 +91,7 @@ struct UnitSizes {
   int64_t on_shards = 0;  // elements of the vocabulary units that compute on their shards
 };
 
-UnitSizes unit_sizes(const Config& c, const fsdp::AutoWrapPolicy& policy) {
+UnitSizes unit_sizes(const StrategiesConfig& c, const fsdp::AutoWrapPolicy& policy) {
   const bool vocab_on_shards = c.vocab_parallel && c.devices >= 2;
   std::shared_ptr<fsdp::nn::Module> model;
   {
@@ -153,7 +148,7 @@ double arithmetic_peak(const std::string& label, const UnitSizes& u, int world,
   return state + 8.0 * u.largest + activation_bytes;
 }
 
-json run_one(const Config& c, const Entry& e) {
+json run_one(const StrategiesConfig& c, const Entry& e) {
   const fs::path dir = c.work_dir;
   const fs::path summary = dir / ("summary_" + e.label + ".json");
   std::vector<std::string> argv = {c.fsdp_train, "--model", c.model, "--data", "synthetic",
@@ -198,7 +193,7 @@ json run_one(const Config& c, const Entry& e) {
 }
 
 int run_strategies(const std::vector<std::string>& args) {
-  Config c;
+  StrategiesConfig c;
   CLI::App app{"fsdp-bench strategies: DDP vs FSDP sharding strategies, memory and speed"};
   app.add_option("--model", c.model, "a demo model preset")->capture_default_str();
   app.add_option("--devices", c.devices, "ranks")->check(fsdp::cli::between(1, 64))->capture_default_str();
@@ -389,7 +384,7 @@ int run_strategies(const std::vector<std::string>& args) {
   return 0;
 }
 
-const fsdp::bench::Registrar kRegistrar(
+const fsdp::bench::Registrar reg_strategies(
     "strategies", "DDP vs NO_SHARD / SHARD_GRAD_OP / FULL_SHARD: peak memory and it/s (JSON)",
     run_strategies);
 

@@ -125,7 +125,7 @@ int run_train(const std::vector<std::string>& args) {
   return ok ? 0 : 1;
 }
 
-fsdp::bench::Registrar reg("train",
+fsdp::bench::Registrar reg_train("train",
                            "training it/s: fsdp.cpp single and DDP (world 2) vs PyTorch DDP",
                            run_train);
 
