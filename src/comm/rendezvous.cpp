@@ -92,7 +92,7 @@ std::string seconds(std::chrono::milliseconds ms) {
   return out.str();
 }
 
-std::string first_line(const std::string& s) {
+std::string first_line_of(const std::string& s) {
   auto nl = s.find('\n');
   return nl == std::string::npos ? s : s.substr(0, nl);
 }
@@ -183,7 +183,7 @@ void join_handshake(c10d::Store& store, const RendezvousOptions& o, const std::s
     store.wait({kJobKey}, o.timeout);
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "[init_process_group] rank ", o.rank, " reached ", endpoint(o),
-                " but no fsdp job is hosted there (", first_line(e.what()),
+                " but no fsdp job is hosted there (", first_line_of(e.what()),
                 "); is MASTER_PORT another program's port?");
   }
   const std::string value = string_of(store.get(kJobKey));
@@ -214,7 +214,7 @@ void join_handshake(c10d::Store& store, const RendezvousOptions& o, const std::s
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "[init_process_group] rank ", o.rank, " joined the rendezvous at ",
                 endpoint(o), " but rank 0 did not admit the job within ", seconds(o.timeout),
-                " (", first_line(e.what()), "); are all ", o.size, " ranks started?");
+                " (", first_line_of(e.what()), "); are all ", o.size, " ranks started?");
   }
   keep_roster(string_of(store.get(prefix + "roster")));
 }
@@ -233,11 +233,11 @@ Rendezvous rendezvous(const RendezvousOptions& o) {
   } catch (const std::exception& e) {
     if (o.rank == 0) {
       TORCH_CHECK(false, "[init_process_group] rank 0 could not start the rendezvous on ",
-                  endpoint(o), ": ", first_line(e.what()));
+                  endpoint(o), ": ", first_line_of(e.what()));
     }
     TORCH_CHECK(false, "[init_process_group] rank ", o.rank, " could not reach the rendezvous at ",
                 endpoint(o), " (rank 0's host) within ", seconds(o.timeout), ": ",
-                first_line(e.what()),
+                first_line_of(e.what()),
                 "; is rank 0 running, MASTER_ADDR/MASTER_PORT the same on every node, and the "
                 "port reachable from this host?");
   }

@@ -13,7 +13,7 @@ namespace fsdp::detail {
 
 namespace {
 
-std::string first_line(const std::string& file) {
+std::string first_line_of_file(const std::string& file) {
   std::ifstream in(file);
   std::string line;
   std::getline(in, line);
@@ -22,7 +22,7 @@ std::string first_line(const std::string& file) {
 
 // Field 22 of /proc/<pid>/stat (starttime), 0 when the process does not exist.
 int64_t start_ticks(int64_t pid) {
-  const std::string stat = first_line("/proc/" + std::to_string(pid) + "/stat");
+  const std::string stat = first_line_of_file("/proc/" + std::to_string(pid) + "/stat");
   const auto close = stat.rfind(')');  // the command name may hold spaces and ')'
   if (close == std::string::npos) return 0;
   std::istringstream fields(stat.substr(close + 1));
@@ -53,7 +53,7 @@ std::string utc_now() {
 ProcessId this_process() {
   ProcessId p;
   p.host = host_name();
-  p.boot = first_line("/proc/sys/kernel/random/boot_id");
+  p.boot = first_line_of_file("/proc/sys/kernel/random/boot_id");
   p.pid = ::getpid();
   p.start = start_ticks(p.pid);
   return p;

@@ -12,7 +12,7 @@
 namespace fsdp {
 namespace {
 
-constexpr int64_t kNestedBlocksize = 256;
+constexpr int64_t kLinearNestedBlocksize = 256;
 
 // Note [Linear4bit quant_state layout]
 // ------------------------------------
@@ -35,7 +35,7 @@ struct StateLayout {
       nbytes = blocks * 4;
       return;
     }
-    nested_blocks = (blocks + kNestedBlocksize - 1) / kNestedBlocksize;
+    nested_blocks = (blocks + kLinearNestedBlocksize - 1) / kLinearNestedBlocksize;
     nested_at = (blocks + 3) / 4 * 4;
     offset_at = nested_at + nested_blocks * 4;
     nbytes = offset_at + 4;
