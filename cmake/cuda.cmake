@@ -55,6 +55,9 @@ if(fsdp_cuda)
       "-DFSDP_NCCL_ROOT=/path/to/nccl (a folder with include/nccl.h and lib/libnccl.so.2).")
   endif()
   message(STATUS "fsdp.cpp: CUDA path ON (NCCL ${FSDP_NCCL_LIBRARY})")
+  # Each compiled alone (Note [Unity build] in CMakeLists.txt): they bring CUDA's and NCCL's
+  # headers and macros that the other files of fsdp_runtime never see.
+  set_source_files_properties(${fsdp_cuda_srcs} PROPERTIES SKIP_UNITY_BUILD_INCLUSION ON)
   target_sources(fsdp_runtime PRIVATE ${fsdp_cuda_srcs})
   target_include_directories(fsdp_runtime PRIVATE ${FSDP_NCCL_INCLUDE})
   target_link_libraries(fsdp_runtime PUBLIC ${FSDP_NCCL_LIBRARY})
