@@ -180,7 +180,7 @@ struct FitResults {
   std::vector<int64_t> peak_alloc_bytes;  // per rank: peak tensor bytes (tracking allocator)
   std::vector<int64_t> peak_rss_bytes;    // per rank: peak resident set size
   // Per rank: the CUDA caching allocator's peak allocated bytes during training
-  // (torch.cuda.max_memory_allocated after setup); -1 on a rank without a CUDA device.
+  // (torch.cuda.max_memory_allocated after setup); -1 when the run is not on a CUDA device.
   std::vector<int64_t> device_peak_bytes;
   std::vector<int64_t> device_peak_reserved_bytes;  // torch.cuda.max_memory_reserved; -1 as above
   std::vector<int64_t> setup_peak_alloc_bytes;  // per rank: peak tensor bytes during setup

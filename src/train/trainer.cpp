@@ -772,6 +772,13 @@ void Trainer::finish_fit(FitLoop& L) {
   results_.peak_rss_bytes = mem.peak_rss_bytes;
   results_.device_peak_bytes = mem.device_peak_bytes;
   results_.device_peak_reserved_bytes = mem.device_peak_reserved_bytes;
+  if (!device_.is_cuda()) {
+    // A run on the CPU has no device peak (null in --summary-json), even in a CUDA build on a
+    // machine with a GPU, where the current device's allocator would answer 0.
+    std::fill(results_.device_peak_bytes.begin(), results_.device_peak_bytes.end(), -1);
+    std::fill(results_.device_peak_reserved_bytes.begin(),
+              results_.device_peak_reserved_bytes.end(), -1);
+  }
   {
     const std::vector<int64_t> all =
         all_gather_values(*world_, {L.setup_peak_alloc, L.setup_peak_rss});

@@ -207,6 +207,10 @@ void run_parity(const Parity& p, const std::string& tag, double rel = 1e-5,
   std::string what = tag;
   for (const auto& f : gpu) what += " " + f;
   expect_same_losses(on_gpu, on_cpu, rel, what);
+  // The CPU run of this CUDA build, on a machine with a GPU, has no device peak.
+  for (const auto& mb : on_cpu["device_peak_mb"]) {
+    EXPECT_TRUE(mb.is_null()) << what << ": the CPU run reports a device peak of " << mb;
+  }
   ASSERT_TRUE(on_gpu.contains("device_peak_mb")) << what;
   for (const auto& mb : on_gpu["device_peak_mb"]) {
     ASSERT_FALSE(mb.is_null()) << what << ": a rank without a device peak";
