@@ -63,10 +63,6 @@ std::vector<int64_t> piece_shape(const std::vector<int64_t>& full, int64_t rows)
 
 namespace {
 
-[[noreturn]] void bad(const std::string& what, const std::string& msg) {
-  throw FormatError(what + ": " + msg);
-}
-
 void add_whole_file(const SafetensorsReader& r, const std::string& file,
                     std::map<std::string, SourceTensor>& out) {
   for (const auto& e : r.header().tensors) {
@@ -104,7 +100,7 @@ Source::Source(const std::string& path) : path_(path) {
     type_ = "full";
     meta_ = parse_json_object(read_file(full.string()), full.string());
     info_ = parse_checkpoint_meta(meta_, full.string());
-    if (info_.type != "full") bad(full.string(), "\"type\" is not \"full\"");
+    if (info_.type != "full") format_error(full.string(), "\"type\" is not \"full\"");
     for (const char* f : {kModelFile, kOptimizerFile}) {
       fs::path p = fs::path(path) / f;
       if (std::string(f) == kOptimizerFile && !fs::exists(p, ec)) continue;
@@ -124,11 +120,12 @@ Source::Source(const std::string& path) : path_(path) {
       const TensorEntry& e = r.entry(key);
       std::vector<int64_t> want = piece_shape(t.shape, p.end - p.begin);
       if (e.shape != want || e.dtype != t.dtype) {
-        bad(r.path(), "tensor '" + key + "' is " + shape_str(e.shape) + " " +
-                          dtype_name(e.dtype) + " but the metadata says rows [" +
-                          std::to_string(p.begin) + ", " + std::to_string(p.end) + ") of " +
-                          shape_str(t.shape) + " " + dtype_name(t.dtype) +
-                          " (" + shape_str(want) + "); the checkpoint files do not belong together");
+        format_error(r.path(), "tensor '" + key + "' is " + shape_str(e.shape) + " " +
+                                   dtype_name(e.dtype) + " but the metadata says rows [" +
+                                   std::to_string(p.begin) + ", " + std::to_string(p.end) +
+                                   ") of " + shape_str(t.shape) + " " + dtype_name(t.dtype) +
+                                   " (" + shape_str(want) +
+                                   "); the checkpoint files do not belong together");
       }
     }
   }
@@ -144,13 +141,15 @@ void Source::check_identity() {
   auto field = [&](const char* key) {
     auto f = in.find(key);
     if (f == in.end() || !f->is_string() || f->get<std::string>().empty()) {
-      bad(what, std::string("\"integrity\" lacks \"") + key + "\"; the metadata is corrupt");
+      format_error(what,
+                   std::string("\"integrity\" lacks \"") + key + "\"; the metadata is corrupt");
     }
     return f->get<std::string>();
   };
   if (field("checksum") != "crc32") {
-    bad(what, "\"integrity\" names checksum '" + field("checksum") + "', which this version "
-        "does not know (it knows crc32); read it with the fsdp.cpp that wrote it");
+    format_error(what, "\"integrity\" names checksum '" + field("checksum") +
+                           "', which this version does not know (it knows crc32); read it with "
+                           "the fsdp.cpp that wrote it");
   }
   run_id_ = field("run_id");
   save_id_ = field("save_id");
@@ -160,12 +159,13 @@ void Source::check_identity() {
   for (const auto& [file, r] : readers_) {
     const SafetensorsHeader& h = r->header();
     if (!r->has_checksums() || !h.metadata.count("fsdp.save_id")) {
-      bad(r->path(), "has no checksums and no identity, but " + what + " says every file of "
-          "this checkpoint has them: the file comes from another (older) checkpoint; put back "
-          "the file saved with this one, or load the checkpoint it belongs to");
+      format_error(r->path(), "has no checksums and no identity, but " + what +
+          " says every file of this checkpoint has them: the file comes from another (older) "
+          "checkpoint; put back the file saved with this one, or load the checkpoint it "
+          "belongs to");
     }
     if (h.metadata.at("fsdp.save_id") != save_id_) {
-      bad(r->path(), "belongs to another checkpoint (" + describe_identity(h) + ") than " +
+      format_error(r->path(), "belongs to another checkpoint (" + describe_identity(h) + ") than " +
           what + " (" + mine + "): the files of two checkpoints are mixed; put back the file "
           "saved with this one, or load the checkpoint it belongs to");
     }
@@ -175,7 +175,7 @@ void Source::check_identity() {
                                  : std::string("0/1");
     auto shard = h.metadata.find("fsdp.shard");
     if (shard == h.metadata.end() || shard->second != want) {
-      bad(r->path(), "holds shard " + (shard == h.metadata.end() ? "?" : shard->second) +
+      format_error(r->path(), "holds shard " + (shard == h.metadata.end() ? "?" : shard->second) +
           " of its checkpoint but is named for shard " + want + ": files were renamed; give "
           "each shard file its own name back");
     }
@@ -191,7 +191,7 @@ void Source::check_piece(const std::string& key, const Piece& piece, uint32_t cr
   const uint32_t want = r.recorded_crc32(key);
   if (crc != want) {
     const SourceTensor& t = tensors_.at(key);
-    bad(r.path(), "tensor '" + key + "' (rows [" + std::to_string(piece.begin) + ", " +
+    format_error(r.path(), "tensor '" + key + "' (rows [" + std::to_string(piece.begin) + ", " +
         std::to_string(piece.end) + ") of " + shape_str(t.shape) + " " + dtype_name(t.dtype) +
         ") does not match its checksum (recorded crc32 " + crc32_hex(want) + ", read " +
         crc32_hex(crc) + "): the file is damaged; restore it from a copy, or load an earlier "

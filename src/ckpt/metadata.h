@@ -28,6 +28,9 @@ struct SourceTensor {
 
 inline int64_t dim0_of(const std::vector<int64_t>& full) { return full.empty() ? 1 : full[0]; }
 
+// Throws FormatError("<what>: <msg>").
+[[noreturn]] void format_error(const std::string& what, const std::string& msg);
+
 // `text` as a JSON object; FormatError naming `what` otherwise.
 nlohmann::json parse_json_object(const std::string& text, const std::string& what);
 

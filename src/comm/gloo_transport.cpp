@@ -28,10 +28,6 @@ namespace fsdp::detail {
 
 namespace {
 
-bool is_loopback_host(const std::string& host) {
-  return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
-}
-
 uint8_t* bytes(const at::Tensor& t) { return static_cast<uint8_t*>(t.data_ptr()); }
 size_t nbytes(const at::Tensor& t) { return t.numel() * t.element_size(); }
 
@@ -238,7 +234,7 @@ std::shared_ptr<::gloo::transport::Device> make_device(const std::string& master
   ::gloo::transport::tcp::attr attr;
   if (const std::string ifname = read_settings().gloo_socket_ifname; !ifname.empty()) {
     attr.iface = ifname;
-  } else if (is_loopback_host(master_addr)) {
+  } else if (is_loopback(master_addr)) {
     attr.hostname = "127.0.0.1";
   } else {
     attr.hostname = local_address_towards(master_addr, master_port);
@@ -258,7 +254,7 @@ std::shared_ptr<::gloo::transport::Device> make_device(const std::string& master
 GlooWorld make_gloo_world(const GlooWorldOptions& options) {
   check_gloo_symbols();
   RendezvousOptions ro = options.rendezvous;
-  ro.local_address = is_loopback_host(ro.master_addr) ? "127.0.0.1"
+  ro.local_address = is_loopback(ro.master_addr) ? "127.0.0.1"
                                                  : local_address_towards(ro.master_addr, ro.master_port);
   Rendezvous rv = rendezvous(ro);
   auto device = make_device(ro.master_addr, ro.master_port);

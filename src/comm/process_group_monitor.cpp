@@ -3,6 +3,7 @@
 #include "comm/process_group_impl.h"
 
 #include "comm/rendezvous.h"
+#include "common/text.h"
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
@@ -25,8 +26,6 @@ std::vector<uint8_t> encode(int64_t value) {
   auto s = std::to_string(value);
   return std::vector<uint8_t>(s.begin(), s.end());
 }
-
-std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
 
 std::string join(const std::vector<int>& v) {
   std::ostringstream out;

@@ -2,6 +2,7 @@
 #include "comm/rendezvous.h"
 
 #include "common/settings.h"
+#include "common/text.h"
 
 #include <c10/util/Exception.h>
 #include <c10/util/Logging.h>
@@ -78,10 +79,6 @@ void keep_roster(const std::string& text) {
   g_roster = std::move(roster);
 }
 
-bool is_loopback(const std::string& host) {
-  return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
-}
-
 std::string endpoint(const RendezvousOptions& o) {
   return o.master_addr + ":" + std::to_string(o.master_port);
 }
@@ -90,11 +87,6 @@ std::string seconds(std::chrono::milliseconds ms) {
   std::ostringstream out;
   out << static_cast<double>(ms.count()) / 1000.0 << " s";
   return out.str();
-}
-
-std::string first_line_of(const std::string& s) {
-  auto nl = s.find('\n');
-  return nl == std::string::npos ? s : s.substr(0, nl);
 }
 
 std::vector<uint8_t> bytes_of(const std::string& s) { return {s.begin(), s.end()}; }
@@ -183,7 +175,7 @@ void join_handshake(c10d::Store& store, const RendezvousOptions& o, const std::s
     store.wait({kJobKey}, o.timeout);
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "[init_process_group] rank ", o.rank, " reached ", endpoint(o),
-                " but no fsdp job is hosted there (", first_line_of(e.what()),
+                " but no fsdp job is hosted there (", first_line(e.what()),
                 "); is MASTER_PORT another program's port?");
   }
   const std::string value = string_of(store.get(kJobKey));
@@ -214,7 +206,7 @@ void join_handshake(c10d::Store& store, const RendezvousOptions& o, const std::s
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "[init_process_group] rank ", o.rank, " joined the rendezvous at ",
                 endpoint(o), " but rank 0 did not admit the job within ", seconds(o.timeout),
-                " (", first_line_of(e.what()), "); are all ", o.size, " ranks started?");
+                " (", first_line(e.what()), "); are all ", o.size, " ranks started?");
   }
   keep_roster(string_of(store.get(prefix + "roster")));
 }
@@ -233,11 +225,11 @@ Rendezvous rendezvous(const RendezvousOptions& o) {
   } catch (const std::exception& e) {
     if (o.rank == 0) {
       TORCH_CHECK(false, "[init_process_group] rank 0 could not start the rendezvous on ",
-                  endpoint(o), ": ", first_line_of(e.what()));
+                  endpoint(o), ": ", first_line(e.what()));
     }
     TORCH_CHECK(false, "[init_process_group] rank ", o.rank, " could not reach the rendezvous at ",
                 endpoint(o), " (rank 0's host) within ", seconds(o.timeout), ": ",
-                first_line_of(e.what()),
+                first_line(e.what()),
                 "; is rank 0 running, MASTER_ADDR/MASTER_PORT the same on every node, and the "
                 "port reachable from this host?");
   }
@@ -257,6 +249,10 @@ Rendezvous rendezvous(const RendezvousOptions& o) {
   out.monitor_store = c10::make_intrusive<c10d::PrefixStore>(
       prefix + "keys", c10::make_intrusive<c10d::TCPStore>(o.master_addr, mo));
   return out;
+}
+
+bool is_loopback(const std::string& host) {
+  return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
 }
 
 bool is_wildcard_address(const std::string& host) {

@@ -42,6 +42,9 @@ void quiet_c10_logging();
 // TCPStoreOptions::masterListenFd, so they listen only there (see Note [Rendezvous handshake]).
 int listen_on(const std::string& host, int port);
 
+// True when `host` is this host by its loopback name or address ("localhost", 127.x, "::1").
+bool is_loopback(const std::string& host);
+
 // True when `host` is a wildcard address ("0", "0.0.0.0", "::", "[::]", "", or a name that
 // resolves to one): listening there means every interface, which the rendezvous never does
 // (see Note [Rendezvous handshake]).

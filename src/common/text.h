@@ -13,4 +13,7 @@ inline std::string quoted_list(const std::vector<std::string>& names) {
   return out;
 }
 
+// The text up to its first newline (all of it when there is none).
+inline std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+
 }  // namespace fsdp::detail

@@ -4,11 +4,17 @@
 #include "fsdp/nn.h"
 
 #include <ATen/ATen.h>
+#include <torch/nn/modules/normalization.h>
 
 #include <functional>
 #include <vector>
 
 namespace fsdp::demos::detail {
+
+// The demo models' LayerNorm over the last `d` features (eps 1e-5, PyTorch's and GPT-2's).
+inline torch::nn::LayerNorm layer_norm(int64_t d) {
+  return torch::nn::LayerNorm(torch::nn::LayerNormOptions({d}).eps(1e-5));
+}
 
 // Dropout that costs nothing when it is off (p == 0 or eval mode).
 inline at::Tensor dropout(const at::Tensor& x, double p, bool training) {

@@ -13,10 +13,6 @@ namespace {
 
 constexpr double kInitStd = 0.02;  // GPT-2's initializer_range
 
-torch::nn::LayerNorm gpt_layer_norm(int64_t d) {
-  return torch::nn::LayerNorm(torch::nn::LayerNormOptions({d}).eps(1e-5));
-}
-
 void normal_init(torch::nn::Linear& linear, double std) {
   torch::nn::init::normal_(linear->weight, 0.0, std);
   if (linear->bias.defined()) torch::nn::init::zeros_(linear->bias);
@@ -27,9 +23,9 @@ void normal_init(torch::nn::Linear& linear, double std) {
 GPTBlock::GPTBlock(int64_t n_embd, int64_t n_head, double dropout, int64_t n_layer)
     : dropout_(dropout) {
   TORCH_CHECK(n_layer > 0, "[GPTBlock] n_layer must be positive, got ", n_layer);
-  ln_1 = register_module("ln_1", gpt_layer_norm(n_embd));
+  ln_1 = register_module("ln_1", detail::layer_norm(n_embd));
   attn = register_module("attn", std::make_shared<MultiheadAttention>(n_embd, n_head, dropout));
-  ln_2 = register_module("ln_2", gpt_layer_norm(n_embd));
+  ln_2 = register_module("ln_2", detail::layer_norm(n_embd));
   mlp_fc = register_module("mlp_fc", torch::nn::Linear(n_embd, 4 * n_embd));
   mlp_proj = register_module("mlp_proj", torch::nn::Linear(4 * n_embd, n_embd));
   // GPT-2 init; the two projections into the residual stream are scaled down by depth.
@@ -74,7 +70,7 @@ GPT::GPT(const GPTOptions& o) : options_(o) {
         fsdp::nn::built(std::make_shared<GPTBlock>(o.n_embd, o.n_head, o.dropout, o.n_layer)));
     h->push_back(blocks.back());
   }
-  ln_f = register_module("ln_f", gpt_layer_norm(o.n_embd));
+  ln_f = register_module("ln_f", detail::layer_norm(o.n_embd));
   if (!o.tie_embeddings) {
     at::Tensor w =
         torch::nn::Linear(torch::nn::LinearOptions(o.n_embd, o.vocab_size).bias(false))->weight.detach();

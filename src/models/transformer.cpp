@@ -18,10 +18,6 @@ void xavier_matrices(torch::nn::Module& module) {
   }
 }
 
-torch::nn::LayerNorm layer_norm(int64_t d) {
-  return torch::nn::LayerNorm(torch::nn::LayerNormOptions({d}).eps(1e-5));
-}
-
 void check_options(const TransformerOptions& o) {
   TORCH_CHECK(o.vocab_size > 0 && o.ninp > 0 && o.nhead > 0 && o.nhid > 0 && o.nlayers > 0,
               "[Transformer] options must be positive: vocab_size=", o.vocab_size,
@@ -43,8 +39,8 @@ EncoderLayer::EncoderLayer(int64_t d_model, int64_t nhead, int64_t dim_feedforwa
                               std::make_shared<MultiheadAttention>(d_model, nhead, dropout));
   linear1 = register_module("linear1", torch::nn::Linear(d_model, dim_feedforward));
   linear2 = register_module("linear2", torch::nn::Linear(dim_feedforward, d_model));
-  norm1 = register_module("norm1", layer_norm(d_model));
-  norm2 = register_module("norm2", layer_norm(d_model));
+  norm1 = register_module("norm1", detail::layer_norm(d_model));
+  norm2 = register_module("norm2", detail::layer_norm(d_model));
   xavier_matrices(*this);
 }
 
@@ -67,9 +63,9 @@ DecoderLayer::DecoderLayer(int64_t d_model, int64_t nhead, int64_t dim_feedforwa
       "multihead_attn", std::make_shared<MultiheadAttention>(d_model, nhead, dropout));
   linear1 = register_module("linear1", torch::nn::Linear(d_model, dim_feedforward));
   linear2 = register_module("linear2", torch::nn::Linear(dim_feedforward, d_model));
-  norm1 = register_module("norm1", layer_norm(d_model));
-  norm2 = register_module("norm2", layer_norm(d_model));
-  norm3 = register_module("norm3", layer_norm(d_model));
+  norm1 = register_module("norm1", detail::layer_norm(d_model));
+  norm2 = register_module("norm2", detail::layer_norm(d_model));
+  norm3 = register_module("norm3", detail::layer_norm(d_model));
   xavier_matrices(*this);
 }
 
@@ -108,7 +104,7 @@ Transformer::Transformer(const TransformerOptions& options) : options_(options) 
         fsdp::nn::built(std::make_shared<EncoderLayer>(o.ninp, o.nhead, o.nhid, o.dropout)));
     encoder_list->push_back(encoder_layers.back());
   }
-  encoder_norm = encoder->register_module("norm", layer_norm(o.ninp));
+  encoder_norm = encoder->register_module("norm", detail::layer_norm(o.ninp));
   auto decoder_stack =
       transformer->register_module("decoder", std::make_shared<torch::nn::Module>());
   auto decoder_list = decoder_stack->register_module("layers", torch::nn::ModuleList());
@@ -117,7 +113,7 @@ Transformer::Transformer(const TransformerOptions& options) : options_(options) 
         fsdp::nn::built(std::make_shared<DecoderLayer>(o.ninp, o.nhead, o.nhid, o.dropout)));
     decoder_list->push_back(decoder_layers.back());
   }
-  decoder_norm = decoder_stack->register_module("norm", layer_norm(o.ninp));
+  decoder_norm = decoder_stack->register_module("norm", detail::layer_norm(o.ninp));
   torch::nn::Linear head(o.ninp, o.vocab_size);
   decoder = register_module("decoder", fsdp::nn::built(std::make_shared<Vocabulary>(
                                            head->weight.detach(), head->bias.detach())));
